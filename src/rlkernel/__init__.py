@@ -1,0 +1,22 @@
+"""rlkernel: fused log-probs, exact RL objectives and batch-invariant kernels for LLM post-training.
+
+Public API (see docs/ and DESIGN.md):
+
+    token_logprobs, linear_token_logprobs          per-token log-probs (+ entropy), differentiable
+    group_advantages, kl_penalty                    advantage estimators, KL estimators
+    PolicyLossConfig, policy_loss, PolicyLossOutput the RL objective algebra
+    fused_policy_loss                               loss straight from logits or hidden states
+    use_backend                                     force "triton" / "reference" for a block of code
+"""
+
+from rlkernel._dispatch import use_backend
+from rlkernel.ops.logprobs import linear_token_logprobs, token_logprobs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "linear_token_logprobs",
+    "token_logprobs",
+    "use_backend",
+]

@@ -1,0 +1,129 @@
+"""Shared input checks for every public function.
+
+Each check raises ``TypeError`` (not a tensor, wrong dtype family) or ``ValueError`` (shape, device,
+range, unknown name) with a message that names the argument and says what was expected and what
+arrived, so that bad input never becomes a silent wrong number or a crash deep inside a kernel.
+Checks that need a host sync (token-id range) are opt-out through the callers' ``validate=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def describe(t: torch.Tensor) -> str:
+    """``shape=(2, 3) dtype=torch.float32 device=cpu`` for error messages."""
+    return f"shape={tuple(t.shape)} dtype={t.dtype} device={t.device}"
+
+
+def tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def float_tensor(name: str, t: object, *, min_dim: int = 0) -> torch.Tensor:
+    """A floating-point tensor with at least ``min_dim`` dimensions."""
+    t = tensor(name, t)
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor (fp16/bf16/fp32/fp64), got {describe(t)}")
+    if t.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got {describe(t)}")
+    return t
+
+
+def int_tensor(name: str, t: object) -> torch.Tensor:
+    t = tensor(name, t)
+    if t.dtype not in INT_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor, got {describe(t)}")
+    return t
+
+
+def mask_tensor(name: str, t: object) -> torch.Tensor:
+    """A bool, integer or float 0/1 mask; returned as the tensor itself (callers convert)."""
+    t = tensor(name, t)
+    if t.dtype != torch.bool and t.dtype not in INT_DTYPES and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a bool, integer or float mask, got {describe(t)}")
+    return t
+
+
+def same_shape(name: str, t: torch.Tensor, ref_name: str, shape: Sequence[int]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (the shape of {ref_name}), got {describe(t)}")
+
+
+def same_device(name: str, t: torch.Tensor, ref_name: str, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of {ref_name}), got {describe(t)}")
+
+
+def positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def nonneg_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def choice(name: str, value: object, choices: Iterable[object]) -> object:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def token_ids_in_range(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Every id is in ``[0, vocab_size)`` or equals ``ignore_index``. Costs one host sync."""
+    if ids.numel() == 0:
+        return
+    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != ignore_index)
+    if bool(bad.any()):
+        first = ids[bad].flatten()[0].item()
+        count = int(bad.sum().item())
+        raise ValueError(
+            f"{name} has {count} id(s) outside [0, {vocab_size}) that are not ignore_index={ignore_index} "
+            f"(first: {first}); pass validate=False only if you are sure the ids are valid"
+        )
+
+
+def cu_seqlens_tensor(name: str, cu: object, total: int) -> torch.Tensor:
+    """Cumulative sequence lengths ``[S + 1]``: int, starts at 0, non-decreasing, ends at ``total``."""
+    cu = int_tensor(name, cu)
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with at least one entry (cumulative lengths), got {describe(cu)}")
+    cpu = cu.detach().to("cpu", torch.int64)
+    if cpu[0].item() != 0:
+        raise ValueError(f"{name} must start at 0, got {cpu[0].item()}")
+    if cpu.numel() > 1 and bool((cpu[1:] < cpu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {cpu.tolist()[:16]}")
+    if cpu[-1].item() != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {cpu[-1].item()}")
+    return cu

@@ -1,0 +1,1 @@
+"""Triton kernels and their launch wrappers, one module per op family. No autograd here."""

@@ -1,0 +1,1 @@
+"""Public differentiable primitives: validate inputs, dispatch to kernels or the reference."""

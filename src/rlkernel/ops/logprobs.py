@@ -1,0 +1,134 @@
+"""Public log-prob primitives: validate, dispatch to a Triton kernel or the reference.
+
+``token_logprobs`` works from logits; ``linear_token_logprobs`` from the last hidden states and the
+LM-head weight without materializing the ``[N, V]`` logits. Both return float32 (float64 for float64
+inputs), are differentiable, and give 0 with no gradient where ``token_ids == ignore_index``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel import _dispatch
+from rlkernel import _validate as check
+from rlkernel.reference import logprobs as ref
+
+
+def _check_common(
+    name: str, x: torch.Tensor, token_ids: object, temperature: float, ignore_index: int
+) -> torch.Tensor:
+    ids = check.int_tensor("token_ids", token_ids)
+    check.same_shape("token_ids", ids, f"{name}.shape[:-1]", x.shape[:-1])
+    check.same_device("token_ids", ids, name, x.device)
+    check.positive_float("temperature", temperature)
+    check.integer("ignore_index", ignore_index)
+    return ids
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities (and entropy) from logits.
+
+    ``logp[i] = log_softmax(logits[i] / temperature)[token_ids[i]]`` and
+    ``entropy[i] = −Σ_v p_v log p_v`` of the same distribution, both computed in fp32.
+
+    Args:
+        logits: ``[..., V]`` float16/bfloat16/float32/float64, any strides (e.g. ``logits[:, :-1]``).
+        token_ids: ``[...]`` integer ids, the leading shape of ``logits``, in ``[0, V)`` or equal to
+            ``ignore_index``.
+        temperature: the sampling temperature (> 0); logits are divided by it before the softmax.
+        ignore_index: positions with this id give logp = entropy = 0 and get no gradient.
+        return_entropy: also return the entropy.
+        validate: check that every id is in range (one host sync); ``False`` skips that check only.
+
+    Returns:
+        ``logp`` float32 ``[...]``, or ``(logp, entropy)``; float64 for float64 logits.
+
+    Raises:
+        TypeError: logits not floating point, token_ids not integer.
+        ValueError: shape/device mismatch, temperature <= 0, V == 0, ids out of range.
+    """
+    check.float_tensor("logits", logits, min_dim=1)
+    ids = _check_common("logits", logits, token_ids, temperature, ignore_index)
+    vocab = logits.shape[-1]
+    if vocab < 1:
+        raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
+    if validate:
+        check.token_ids_in_range("token_ids", ids, vocab, ignore_index)
+    backend = _dispatch.resolve_backend(logits.device, has_kernel=False)
+    assert backend == "reference"
+    return ref.token_logprobs(
+        logits, ids, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
+    )
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    tp_group: object | None = None,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities (and entropy) straight from hidden states and the LM head.
+
+    Same result as ``token_logprobs(hidden @ weight.T + bias, token_ids, ...)`` with the logits in
+    fp32, but the ``[N, V]`` logits never exist at once: they are produced one bounded chunk of rows
+    at a time (see :func:`rlkernel.reference.logprobs.chunk_rows_for`) in forward and recomputed in
+    backward.
+
+    Args:
+        hidden: ``[..., H]`` float, the policy's last hidden states.
+        weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``. Gradients for it are
+            computed only when ``weight.requires_grad``.
+        token_ids: ``[...]`` integer ids, the leading shape of ``hidden``.
+        bias: optional ``[V]`` LM-head bias.
+        temperature, ignore_index, return_entropy, validate: as in :func:`token_logprobs`.
+        tp_group: vocab-parallel process group (weight = this rank's vocab shard). Not implemented
+            yet: passing one raises ``NotImplementedError``.
+
+    Returns:
+        ``logp`` float32 ``[...]``, or ``(logp, entropy)``; float64 for float64 inputs.
+    """
+    check.float_tensor("hidden", hidden, min_dim=1)
+    check.float_tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {check.describe(weight)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight must have at least one vocabulary row, got {check.describe(weight)}")
+    check.same_device("weight", weight, "hidden", hidden.device)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if bias is not None:
+        check.float_tensor("bias", bias)
+        check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
+        check.same_device("bias", bias, "hidden", hidden.device)
+    ids = _check_common("hidden", hidden, token_ids, temperature, ignore_index)
+    if tp_group is not None:
+        raise NotImplementedError("tp_group (vocab-parallel linear_token_logprobs) is not implemented yet")
+    if validate:
+        check.token_ids_in_range("token_ids", ids, weight.shape[0], ignore_index)
+    backend = _dispatch.resolve_backend(hidden.device, has_kernel=False)
+    assert backend == "reference"
+    return ref.linear_token_logprobs(
+        hidden,
+        weight,
+        ids,
+        bias=bias,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+    )
