@@ -1,0 +1,41 @@
+# The two commands of the README:
+#   make demo   set up a fresh machine (virtualenv in .venv) and run the main job, `rlkernel demo`
+#   make test   set up the same way and run the whole test suite and the strict docs build
+#
+# On CPU machines torch is pinned to the CPU build 2.13.0 (an unpinned torch pulls the multi-GB
+# CUDA build). On a GPU machine that already has torch, reuse it: make demo TORCH_SPEC= VENV_FLAGS=--system-site-packages
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+VENV_FLAGS  ?=
+DEMO_ARGS   ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup-demo setup-dev docs clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+setup-demo: $(BIN)/python
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e ".[demo]"
+
+setup-dev: $(BIN)/python
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e ".[dev]"
+
+demo: setup-demo
+	$(BIN)/rlkernel demo $(DEMO_ARGS)
+
+test: setup-dev
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+docs: setup-dev
+	$(BIN)/mkdocs serve
+
+clean:
+	rm -rf $(VENV) site runs .pytest_cache .hypothesis
