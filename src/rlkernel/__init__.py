@@ -11,12 +11,26 @@ Public API (see docs/ and DESIGN.md):
 
 from rlkernel._dispatch import use_backend
 from rlkernel.ops.logprobs import linear_token_logprobs, token_logprobs
+from rlkernel.rl import (
+    PolicyLossConfig,
+    PolicyLossOutput,
+    fused_policy_loss,
+    group_advantages,
+    kl_penalty,
+    policy_loss,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PolicyLossConfig",
+    "PolicyLossOutput",
     "__version__",
+    "fused_policy_loss",
+    "group_advantages",
+    "kl_penalty",
     "linear_token_logprobs",
+    "policy_loss",
     "token_logprobs",
     "use_backend",
 ]

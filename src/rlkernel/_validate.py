@@ -55,7 +55,9 @@ def mask_tensor(name: str, t: object) -> torch.Tensor:
 
 def same_shape(name: str, t: torch.Tensor, ref_name: str, shape: Sequence[int]) -> None:
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (the shape of {ref_name}), got {describe(t)}")
+        raise ValueError(
+            f"{name} must have shape {tuple(shape)} (the shape of {ref_name}), got {describe(t)}"
+        )
 
 
 def same_device(name: str, t: torch.Tensor, ref_name: str, device: torch.device) -> None:
@@ -118,7 +120,9 @@ def cu_seqlens_tensor(name: str, cu: object, total: int) -> torch.Tensor:
     """Cumulative sequence lengths ``[S + 1]``: int, starts at 0, non-decreasing, ends at ``total``."""
     cu = int_tensor(name, cu)
     if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be 1-D with at least one entry (cumulative lengths), got {describe(cu)}")
+        raise ValueError(
+            f"{name} must be 1-D with at least one entry (cumulative lengths), got {describe(cu)}"
+        )
     cpu = cu.detach().to("cpu", torch.int64)
     if cpu[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {cpu[0].item()}")
@@ -127,3 +131,41 @@ def cu_seqlens_tensor(name: str, cu: object, total: int) -> torch.Tensor:
     if cpu[-1].item() != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {cpu[-1].item()}")
     return cu
+
+
+def finite_float(name: str, value: object) -> float:
+    """Any finite number (negative allowed), e.g. a coefficient whose sign is meaningful."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def float_like(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """A floating-point tensor with the shape and device of ``ref``."""
+    t = float_tensor(name, t)
+    same_shape(name, t, ref_name, ref.shape)
+    same_device(name, t, ref_name, ref.device)
+    return t
+
+
+def normalizer(name: str, value: object, device: torch.device) -> float | torch.Tensor | None:
+    """A global normalizer: ``None``, a finite number > 0, or a 0-dim int/float tensor.
+
+    A tensor may live on ``device`` or on the CPU (a CPU scalar never forces a device sync). Its value
+    is not checked (that would cost a host sync); a tensor holding 0 gives inf/NaN, like any x / 0.
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{name} must be a 0-dim tensor (a scalar), got {describe(value)}")
+        if value.dtype == torch.bool or (value.dtype not in FLOAT_DTYPES and value.dtype not in INT_DTYPES):
+            raise TypeError(
+                f"{name} must be an integer or floating-point scalar tensor, got {describe(value)}"
+            )
+        if value.device != device and value.device.type != "cpu":
+            raise ValueError(f"{name} must be on {device} or the CPU, got {describe(value)}")
+        return value
+    return positive_float(name, value)

@@ -1,0 +1,189 @@
+"""Sequence segmentation and loss aggregation for padded ``[B, T]`` or packed ``[N]`` token tensors.
+
+Every per-token quantity of the RL algebra is brought to one layout, a padded ``[S, L]`` matrix
+(S sequences, L = the longest one), by :class:`Segments`:
+
+* padded input ``[B, T]``: S = B, L = T, the tensors are used as they are (no copy);
+* packed input ``[N]`` with ``cu_seqlens`` ``[S + 1]``: sequence ``i`` is ``x[cu[i]:cu[i+1]]``, and
+  it becomes row ``i`` of an ``[S, L]`` matrix, L = max length, filled with 0 (mask ``False``)
+  past its end. The gather is differentiable, so gradients flow back to the packed stream.
+
+Per-sequence sums are then plain ``sum(-1)`` reductions: deterministic (no atomics, run to run
+bitwise equal), and one code path for both layouts, so packed and padded inputs agree to rounding
+(a reduction over a wider padded row may associate its terms differently).
+
+Aggregation (m = active-token mask, ℓ = per-token loss, n_i = Σ_t m_it, seqs = {i : n_i > 0}):
+
+    token-mean                Σ mℓ / (global_tokens or Σ m)
+    seq-mean-token-mean       Σ_i (Σ_t mℓ / n_i) / (global_seqs or |seqs|)
+    seq-mean-token-sum        Σ mℓ / (global_seqs or |seqs|)
+    seq-mean-token-sum-norm   Σ mℓ / ((global_seqs or |seqs|) · (norm_length or L))
+
+With global normalizers (the counts of the whole optimizer step, over all micro-batches and
+data-parallel ranks) each micro-batch's loss is its share of the step's loss: the losses, and their
+gradients, add up to those of the whole step. Without them the counts are local, and an empty batch
+(no active token) gives exactly 0 rather than 0/0.
+
+Caveats:
+    * Packed input is padded to ``[S, L]``; for very uneven lengths that is up to S·L elements per
+      per-token tensor (small next to the ``[N, V]`` logits, but not free). Building the gather
+      index reads ``cu_seqlens`` on the host (the validation does already).
+    * ``seq-mean-token-sum-norm`` without ``norm_length`` divides by L: the padded width for padded
+      input, the longest sequence for packed input. Micro-batches of different widths then use
+      different constants; pass ``norm_length`` (e.g. the maximum response length) to make the
+      normalizer a true constant (Dr. GRPO's ``MAX_TOKENS``).
+    * verl before its global-batch rewrite divided ``seq-mean-token-sum-norm`` by L only (no
+      sequence count); current verl and this module divide by both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATIONS: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+Normalizer = float | torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How a per-token tensor splits into sequences, and how to bring it to ``[S, L]``.
+
+    Attributes:
+        n_seqs: S, the number of sequences (rows of the padded layout).
+        max_len: L, the padded width: T for padded input, the longest sequence for packed input.
+        token_shape: the shape of the caller's per-token tensors (``(B, T)`` or ``(N,)``).
+        gather_index: packed input only: int64 ``[S, L]`` indices into the packed stream, with
+            ``N`` (one past the end, a zero slot) at padding positions; ``None`` for padded input.
+    """
+
+    n_seqs: int
+    max_len: int
+    token_shape: tuple[int, ...]
+    gather_index: torch.Tensor | None = None
+
+    @classmethod
+    def padded(cls, shape: torch.Size | tuple[int, ...]) -> Segments:
+        batch, width = shape
+        return cls(n_seqs=int(batch), max_len=int(width), token_shape=(int(batch), int(width)))
+
+    @classmethod
+    def packed(cls, cu_seqlens: torch.Tensor, n_tokens: int, device: torch.device) -> Segments:
+        """From validated cumulative lengths ``[S + 1]`` (any device; read once on the host)."""
+        cu = cu_seqlens.detach().to("cpu", torch.int64)
+        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+        n_seqs = int(lengths.numel())
+        max_len = int(lengths.max()) if n_seqs > 0 else 0
+        pos = torch.arange(max_len, dtype=torch.int64)
+        inside = pos[None, :] < lengths[:, None]
+        index = torch.where(
+            inside, starts[:, None] + pos[None, :], torch.full_like(inside, n_tokens, dtype=torch.int64)
+        )
+        return cls(
+            n_seqs=n_seqs, max_len=max_len, token_shape=(int(n_tokens),), gather_index=index.to(device)
+        )
+
+    @property
+    def is_packed(self) -> bool:
+        return self.gather_index is not None
+
+    def to_padded(self, x: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
+        """``[B, T]`` → itself; packed ``[N]`` → ``[S, L]`` with ``fill`` past each sequence's end."""
+        if self.gather_index is None:
+            return x
+        return torch.cat([x, x.new_full((1,), fill)])[self.gather_index]
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``mask``, exactly 0 elsewhere; the gradient at masked positions is exactly 0.
+
+    ``torch.where`` rather than ``x * mask``: a NaN or inf at a masked position stays out of the
+    result and out of the gradient (0 · NaN would be NaN).
+    """
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[S, L]`` → ``[S]``: Σ_t m_it x_it."""
+    return masked(x, mask).sum(-1)
+
+
+def seq_count(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[S, L]`` bool → ``[S]``: n_i = number of active tokens of each sequence, as ``dtype``."""
+    return mask.sum(-1).to(dtype)
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[S]``: Σ_t m x / n_i, and exactly 0 for a sequence without active tokens."""
+    return seq_sum(x, mask) / seq_count(mask, x.dtype).clamp_min(1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``mask`` (any shape); exactly 0 when nothing is active."""
+    return masked(x, mask).sum() / mask.sum().to(x.dtype).clamp_min(1)
+
+
+def _as_scalar(value: Normalizer, like: torch.Tensor) -> torch.Tensor | float:
+    if isinstance(value, torch.Tensor):
+        # A CPU 0-dim tensor combines with a CUDA tensor without a copy; keep it where it is.
+        device = like.device if value.device == like.device else value.device
+        return value.to(device=device, dtype=like.dtype)
+    return float(value)
+
+
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    global_tokens: Normalizer = None,
+    global_seqs: Normalizer = None,
+    norm_length: int | None = None,
+    width: int = 1,
+) -> torch.Tensor:
+    """Reduce a per-token ``[S, L]`` loss to a scalar with one of :data:`AGGREGATIONS`.
+
+    Args:
+        loss: ``[S, L]`` float, per-token loss; values at masked positions are ignored (they may
+            be garbage) and receive exactly zero gradient.
+        mask: ``[S, L]`` bool, the active tokens.
+        mode: one of :data:`AGGREGATIONS`.
+        global_tokens: the token normalizer of ``token-mean`` (number, or 0-dim tensor); local Σm
+            when ``None``.
+        global_seqs: the sequence normalizer of the ``seq-mean-*`` modes; the local number of
+            sequences with at least one active token when ``None``.
+        norm_length: the length constant of ``seq-mean-token-sum-norm``; ``width`` when ``None``.
+        width: L, the padded width (used only as the default ``norm_length``).
+
+    Returns:
+        0-dim tensor of ``loss.dtype``; exactly 0 (with zero gradients) when nothing is active and
+        the normalizers are local.
+    """
+    dtype = loss.dtype
+    if mode == "token-mean":
+        tokens = (
+            mask.sum().to(dtype).clamp_min(1) if global_tokens is None else _as_scalar(global_tokens, loss)
+        )
+        return masked(loss, mask).sum() / tokens
+    counts = seq_count(mask, dtype)
+    if global_seqs is None:
+        seqs = (counts > 0).sum().to(dtype).clamp_min(1)
+    else:
+        seqs = _as_scalar(global_seqs, loss)
+    if mode == "seq-mean-token-mean":
+        return (seq_sum(loss, mask) / counts.clamp_min(1)).sum() / seqs
+    if mode == "seq-mean-token-sum":
+        return masked(loss, mask).sum() / seqs
+    if mode == "seq-mean-token-sum-norm":
+        length = norm_length if norm_length is not None else max(width, 1)
+        return masked(loss, mask).sum() / (seqs * length)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")

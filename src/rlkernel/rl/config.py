@@ -1,0 +1,232 @@
+"""``PolicyLossConfig``: one frozen description of an RL policy objective, plus named presets.
+
+Every field is validated on construction (``__post_init__``), so a config that exists is a config that
+:func:`rlkernel.policy_loss` can run; the errors name the field. ``PolicyLossConfig.preset(name,
+**overrides)`` starts from a named recipe and replaces fields (re-validated).
+
+Presets (``—`` = the field's default; all presets have ``entropy_coef=0`` and no rollout correction):
+
+    preset    loss_type  clip_low  clip_high  dual_clip  aggregation               kl_coef (est.)
+    ppo       ppo        0.2       0.2        3.0        token-mean                0
+    grpo      ppo        0.2       0.2        —          seq-mean-token-mean       0.001 (k3)
+    dapo      ppo        0.2       0.28       10.0       token-mean                0
+    dr_grpo   ppo        0.2       0.2        —          seq-mean-token-sum-norm   0
+    gspo      gspo       3e-4      4e-4       —          seq-mean-token-mean       0
+    luspo     gspo       3e-4      4e-4       —          seq-mean-token-sum        0
+    cispo     cispo      None      4.0        —          token-mean                0
+    sapo      sapo       0.2       0.2        —          seq-mean-token-mean       0   (τ+ 1.0, τ− 1.05)
+    gmpo      gmpo       0.4       0.4        —          seq-mean-token-mean       0
+
+What each reproduces, and where verl and TRL differ (verl ``actor_rollout_ref.actor.*`` keys, TRL
+``GRPOConfig`` fields):
+
+* ``ppo`` — verl ``policy_loss.loss_mode=vanilla`` defaults: ``clip_ratio=0.2``, ``clip_ratio_c=3.0``
+  (verl applies the dual clip always; set ``dual_clip=None`` for the classic PPO clip of TRL's
+  ``PPOTrainer``), ``loss_agg_mode=token-mean``, ``use_kl_loss=False``.
+* ``grpo`` — DeepSeekMath GRPO as TRL ``loss_type="grpo"`` aggregates it (per-sequence token mean,
+  then mean over sequences), with verl's GRPO example KL loss (``use_kl_loss=True``,
+  ``kl_loss_coef=0.001``, ``kl_loss_type=low_var_kl``; needs ``ref_logp``). verl's GRPO examples use
+  ``loss_agg_mode=token-mean`` and ``clip_ratio_c=3``: override ``aggregation="token-mean",
+  dual_clip=3.0`` for those. TRL's ``beta`` (KL coefficient) defaults to 0.0, the paper used 0.04;
+  TRL's k3 has no clamps (see :mod:`rlkernel.rl.kl`).
+* ``dapo`` — the verl DAPO recipe: ``clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0``,
+  ``token-mean``, no KL. TRL ``loss_type="dapo"``, ``epsilon_high=0.28`` has no dual clip (it
+  differs only where A < 0 and r > 10) and normalizes by the global token count: pass
+  ``global_tokens`` for the same. Dynamic sampling and overlong shaping live outside the loss.
+* ``dr_grpo`` — Dr. GRPO: Σ mℓ / (#seqs · MAX_TOKENS). TRL ``loss_type="dr_grpo"`` divides by
+  ``batch · max_completion_length``; verl ``loss_agg_mode=seq-mean-token-sum-norm`` by
+  ``global_batch_size · loss_scale_factor`` (default: the padded width). Set ``norm_length`` to the
+  maximum completion length for TRL's constant; advantages via
+  ``group_advantages(..., estimator="dr_grpo")`` (no std scaling).
+* ``gspo`` — GSPO paper / verl ``loss_mode=gspo`` with its recipe bounds ``clip_ratio_low=3e-4,
+  clip_ratio_high=4e-4``, ``seq-mean-token-mean``; TRL ``importance_sampling_level="sequence"``,
+  ``loss_type="grpo"``, ``epsilon=3e-4``, ``epsilon_high=4e-4``. verl implements the ``gspo_token``
+  form and forces ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says; with that aggregation and
+  a per-sequence advantage ``gspo`` and ``gspo_token`` have equal values and gradients.
+* ``luspo`` — TRL ``loss_type="luspo"`` (sequence-level ratio, loss ℓ_i·|y_i| averaged over
+  sequences = ``seq-mean-token-sum`` of the broadcast sequence loss). TRL's mean also counts
+  sequences without tokens; here they are excluded (pass ``global_seqs`` = batch size to match).
+  verl has no equivalent (its gspo forces ``seq-mean-token-mean``).
+* ``cispo`` — MiniMax-M1 CISPO with the ScaleRL cap ε_max = 5: weight sg[min(r, 5)], no lower bound,
+  ``token-mean``. TRL ``loss_type="cispo"`` clamps at ``epsilon_high`` itself (``epsilon_high=5.0``
+  ↔ ``clip_high=4.0``). verl ``loss_mode=cispo`` clamps to [1 − clip_ratio_low, 1 + clip_ratio_high]
+  (set ``clip_low`` for a lower bound).
+* ``sapo`` — SAPO paper / verl ``loss_mode=sapo`` / TRL ``loss_type="sapo"``: ``tau_pos=1.0``,
+  ``tau_neg=1.05``, ``seq-mean-token-mean`` (verl forces it). The clip fields are unused.
+* ``gmpo`` — verl ``loss_mode=geo_mean`` with the GMPO recipe ``clip_ratio_low=clip_ratio_high=0.4``
+  (bounds in log space). verl ignores ``loss_agg_mode`` and averages the per-sequence losses over all
+  B rows (also empty ones); ``seq-mean-token-mean`` is the same without empty rows (pass
+  ``global_seqs=B`` to count them). TRL has no GMPO.
+
+Caveats:
+    * Presets describe the loss only; advantages (``group_advantages``), dynamic sampling, reward
+      shaping and the global normalizers of a distributed step are the caller's.
+    * ``kl_estimator`` keeps the spelling it was given (verl aliases included); the loss resolves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal
+
+from rlkernel import _validate as check
+from rlkernel.rl.aggregate import AGGREGATIONS, Aggregation
+from rlkernel.rl.kl import canonical_kl_estimator
+
+LossType = Literal["ppo", "gspo", "gspo_token", "cispo", "sapo", "gmpo", "reinforce"]
+LOSS_TYPES: tuple[str, ...] = ("ppo", "gspo", "gspo_token", "cispo", "sapo", "gmpo", "reinforce")
+
+RolloutCorrection = Literal["token_tis", "seq_tis", "token_mis", "seq_mis"]
+ROLLOUT_CORRECTIONS: tuple[str, ...] = ("token_tis", "seq_tis", "token_mis", "seq_mis")
+
+# Loss types with PPO's extra knobs (dual clip, delta).
+_PPO_ONLY = ("ppo",)
+
+
+def _optional(check_fn, name: str, value: object) -> Any:
+    return None if value is None else check_fn(name, value)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The RL policy objective: loss type, clipping, aggregation, KL, entropy, rollout correction.
+
+    Attributes:
+        loss_type: ``ppo | gspo | gspo_token | cispo | sapo | gmpo | reinforce`` (see
+            :mod:`rlkernel.rl.objectives` for each formula).
+        clip_low: lower clip ε_low ≥ 0: the ratio is clipped below at 1 − ε_low (``gmpo``: the
+            log-ratio at −ε_low). ``None`` (no lower bound) is allowed for ``cispo`` only.
+        clip_high: upper clip ε_high ≥ 0: 1 + ε_high (``gmpo``: log-ratio ε_high).
+        dual_clip: dual-clip constant c > 1 (``ppo`` only): where A < 0, ℓ = min(ℓ, −c·A).
+        delta: cap δ > 1 on the ratio of the unclipped PPO term, r → min(r, δ) (``ppo`` only; TRL's
+            two-sided GRPO ``delta``).
+        aggregation: ``token-mean | seq-mean-token-mean | seq-mean-token-sum |
+            seq-mean-token-sum-norm``.
+        norm_length: the constant length of ``seq-mean-token-sum-norm`` (int > 0); ``None`` uses the
+            padded width (packed input: the longest sequence).
+        kl_coef: weight ≥ 0 of the per-token KL penalty against ``ref_logp`` (> 0 requires
+            ``ref_logp``).
+        kl_estimator: ``k1 | k2 | k3 | abs | k1+ | k3+`` or a verl alias (``kl``, ``mse``,
+            ``low_var_kl``, ``kl+``, ``low_var_kl+``).
+        entropy_coef: entropy bonus weight (finite; ≠ 0 requires ``entropy``): loss −= coef·agg(H).
+        rollout_correction: ``None | token_tis | seq_tis | token_mis | seq_mis`` (requires
+            ``rollout_logp``; see :mod:`rlkernel.rl.rollout`).
+        rollout_clip_min: lower bound (> 0) of the rollout weight, or ``None`` for none.
+        rollout_clip_max: upper bound (> 0) of the rollout weight, or ``None`` for none; default 2.0
+            (verl's ``rollout_is_threshold``). At least one bound is required with a correction.
+        sapo_tau_pos: SAPO temperature (> 0) where A > 0.
+        sapo_tau_neg: SAPO temperature (> 0) where A ≤ 0.
+
+    Raises:
+        TypeError: a field of the wrong type (e.g. a string clip bound, a bool).
+        ValueError: a value out of range or an unknown name; the message names the field.
+    """
+
+    loss_type: LossType = "ppo"
+    clip_low: float | None = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    delta: float | None = None
+    aggregation: Aggregation = "token-mean"
+    norm_length: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    rollout_correction: RolloutCorrection | None = None
+    rollout_clip_min: float | None = None
+    rollout_clip_max: float | None = 2.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        check.choice("loss_type", self.loss_type, LOSS_TYPES)
+        check.choice("aggregation", self.aggregation, AGGREGATIONS)
+        self._check_clips()
+        _optional(check.positive_int, "norm_length", self.norm_length)
+        check.nonneg_float("kl_coef", self.kl_coef)
+        canonical_kl_estimator(self.kl_estimator, "kl_estimator")
+        check.finite_float("entropy_coef", self.entropy_coef)
+        self._check_rollout()
+        check.positive_float("sapo_tau_pos", self.sapo_tau_pos)
+        check.positive_float("sapo_tau_neg", self.sapo_tau_neg)
+
+    def _check_clips(self) -> None:
+        if self.clip_low is None:
+            if self.loss_type != "cispo":
+                raise ValueError(
+                    f"clip_low=None (no lower bound) is only valid for loss_type='cispo', "
+                    f"got loss_type={self.loss_type!r}"
+                )
+        else:
+            check.nonneg_float("clip_low", self.clip_low)
+        check.nonneg_float("clip_high", self.clip_high)
+        for name in ("dual_clip", "delta"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.loss_type not in _PPO_ONLY:
+                raise ValueError(f"{name} applies to loss_type='ppo' only, got loss_type={self.loss_type!r}")
+            if check.positive_float(name, value) <= 1.0:
+                raise ValueError(f"{name} must be > 1, got {value}")
+
+    def _check_rollout(self) -> None:
+        if self.rollout_correction is not None:
+            check.choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        low = _optional(check.positive_float, "rollout_clip_min", self.rollout_clip_min)
+        high = _optional(check.positive_float, "rollout_clip_max", self.rollout_clip_max)
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"rollout_clip_min ({low}) must be <= rollout_clip_max ({high})")
+        if self.rollout_correction is not None and low is None and high is None:
+            raise ValueError(
+                f"rollout_correction={self.rollout_correction!r} needs rollout_clip_min or rollout_clip_max"
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> PolicyLossConfig:
+        """A named recipe (see the module docstring's table), with ``overrides`` replacing fields.
+
+        Args:
+            name: one of :data:`PRESETS` (``ppo, grpo, dapo, dr_grpo, gspo, luspo, cispo, sapo, gmpo``).
+            **overrides: field values replacing the preset's, validated like the constructor's.
+
+        Raises:
+            ValueError: unknown preset name (the message lists the valid ones).
+            TypeError: an override that is not a field of ``PolicyLossConfig``.
+        """
+        if not isinstance(name, str) or name not in PRESETS:
+            raise ValueError(f"preset name must be one of {tuple(PRESETS)}, got {name!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(
+                f"unknown PolicyLossConfig field(s) in overrides: {unknown}; fields are {sorted(fields)}"
+            )
+        return cls(**{**PRESETS[name], **overrides})
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "ppo": dict(loss_type="ppo", clip_low=0.2, clip_high=0.2, dual_clip=3.0, aggregation="token-mean"),
+    "grpo": dict(
+        loss_type="ppo",
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="seq-mean-token-mean",
+        kl_coef=0.001,
+        kl_estimator="k3",
+    ),
+    "dapo": dict(loss_type="ppo", clip_low=0.2, clip_high=0.28, dual_clip=10.0, aggregation="token-mean"),
+    "dr_grpo": dict(loss_type="ppo", clip_low=0.2, clip_high=0.2, aggregation="seq-mean-token-sum-norm"),
+    "gspo": dict(loss_type="gspo", clip_low=3e-4, clip_high=4e-4, aggregation="seq-mean-token-mean"),
+    "luspo": dict(loss_type="gspo", clip_low=3e-4, clip_high=4e-4, aggregation="seq-mean-token-sum"),
+    "cispo": dict(loss_type="cispo", clip_low=None, clip_high=4.0, aggregation="token-mean"),
+    "sapo": dict(loss_type="sapo", aggregation="seq-mean-token-mean", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+    "gmpo": dict(loss_type="gmpo", clip_low=0.4, clip_high=0.4, aggregation="seq-mean-token-mean"),
+}
+
+# Read-only views: a preset table that a caller could mutate would defeat the frozen config.
+PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {name: MappingProxyType(values) for name, values in _PRESETS.items()}
+)

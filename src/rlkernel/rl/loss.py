@@ -1,0 +1,279 @@
+"""``policy_loss``: the full RL objective of one micro-batch, from per-token log-probs to a scalar.
+
+    ℓ_t  = w_t · policy_term_t  +  kl_coef · KL(logp_t, ref_logp_t)
+    loss = agg(ℓ)  −  entropy_coef · agg(entropy)
+
+where ``policy_term`` is the loss type's per-token term (:mod:`rlkernel.rl.objectives`), w the detached
+rollout-correction weight (:mod:`rlkernel.rl.rollout`; 1 without correction), KL the per-token
+estimator (:mod:`rlkernel.rl.kl`) and ``agg`` the configured aggregation with its global normalizers
+(:mod:`rlkernel.rl.aggregate`).
+
+Masking: a token is active where ``mask != 0``. Every input is passed through ``torch.where`` with the
+mask before any arithmetic, so NaN/inf garbage at masked positions (padding, prompt tokens) never
+reaches the loss or the gradients, masked tokens get exactly 0 gradient, and an all-masked batch
+gives loss 0 and zero gradients. NaN at an *active* position propagates to a NaN loss.
+
+Metrics (detached 0-dim tensors, no host sync; over the active tokens of this call; 0 when none):
+
+    clip_frac_low / clip_frac_high   fraction where the lower / upper clip is active (ppo, gspo*,
+                                     gmpo: where the clipped branch is taken given sign(A);
+                                     cispo: where the IS weight is clamped; sapo/reinforce: 0)
+    clip_frac                        clip_frac_low + clip_frac_high
+    clip_frac_dual                   (only with dual_clip) fraction where the dual clip is active
+    approx_kl                        mean k3(logp, old_logp), the policy's drift since the rollout
+    ratio_mean / ratio_min / ratio_max   of r = exp(clamp(logp − old_logp, ±20))
+    kl_ref                           (with ref_logp) mean of the configured KL estimator
+    entropy_mean                     (with entropy) mean entropy
+    rollout_weight_mean              (with a rollout correction) mean of the applied weight
+    rollout_frac_truncated           (TIS) fraction of tokens whose ρ was truncated
+    rollout_frac_masked              (MIS) fraction of tokens whose ρ was rejected
+
+For ``gspo`` and ``gspo_token`` the clip fractions and ratio statistics are over sequences (those with
+at least one active token) and about the sequence ratio s_i, the quantity that is clipped.
+
+Caveats:
+    * Metrics are local to the call (micro-batch), not normalized globally; average them as you log.
+    * ``rollout_logp`` is ignored when ``cfg.rollout_correction`` is ``None``.
+    * Packed input whose token count equals its sequence count makes ``advantages`` of shape ``[N]``
+      ambiguous; it is read per token (equal to per sequence when every sequence has one token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel import _validate as check
+from rlkernel.rl import objectives, rollout
+from rlkernel.rl.aggregate import Normalizer, Segments, aggregate, masked, masked_mean, seq_mean
+from rlkernel.rl.config import PolicyLossConfig
+from rlkernel.rl.kl import canonical_kl_estimator, kl_terms
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """The result of :func:`policy_loss`.
+
+    Attributes:
+        loss: 0-dim float32 (float64 for float64 ``logp``) tensor, differentiable in ``logp`` and
+            ``entropy``.
+        metrics: name → detached 0-dim tensor (see :mod:`rlkernel.rl.loss` for the names).
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Validated inputs on the padded ``[S, L]`` layout, sanitized at masked positions."""
+
+    segments: Segments
+    mask: torch.Tensor
+    logp: torch.Tensor
+    old_logp: torch.Tensor
+    adv: torch.Tensor
+    adv_seq: torch.Tensor
+    ref_logp: torch.Tensor | None
+    rollout_logp: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+
+def _segments(logp: torch.Tensor, cu_seqlens: object) -> Segments:
+    if logp.dim() == 2:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {check.describe(logp)}")
+        return Segments.padded(logp.shape)
+    if logp.dim() == 1:
+        if cu_seqlens is None:
+            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {check.describe(logp)}")
+        cu = check.cu_seqlens_tensor("cu_seqlens", cu_seqlens, logp.shape[0])
+        return Segments.packed(cu, logp.shape[0], logp.device)
+    raise ValueError(
+        f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {check.describe(logp)}"
+    )
+
+
+def _advantages(
+    advantages: object, logp: torch.Tensor, seg: Segments, mask: torch.Tensor, dtype: torch.dtype
+):
+    """(per-token ``[S, L]``, per-sequence ``[S]``) advantages, detached and sanitized."""
+    adv = check.float_tensor("advantages", advantages).detach()
+    check.same_device("advantages", adv, "logp", logp.device)
+    if adv.shape == logp.shape:
+        tokens = masked(seg.to_padded(adv).to(dtype), mask)
+        return tokens, seq_mean(tokens, mask)
+    if adv.dim() == 1 and adv.shape[0] == seg.n_seqs:
+        per_seq = masked(adv.to(dtype), mask.any(-1))
+        return masked(per_seq[:, None].expand(mask.shape), mask), per_seq
+    raise ValueError(
+        f"advantages must have shape ({seg.n_seqs},) (one per sequence) or {tuple(logp.shape)} "
+        f"(one per token, the shape of logp), got {check.describe(adv)}"
+    )
+
+
+def _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entropy, cu_seqlens) -> _Batch:
+    check.float_tensor("logp", logp)
+    if not isinstance(cfg, PolicyLossConfig):
+        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    seg = _segments(logp, cu_seqlens)
+    check.float_like("old_logp", old_logp, "logp", logp)
+    mask = check.mask_tensor("mask", mask)
+    check.same_shape("mask", mask, "logp", logp.shape)
+    check.same_device("mask", mask, "logp", logp.device)
+    optional = {"ref_logp": ref_logp, "rollout_logp": rollout_logp, "entropy": entropy}
+    for name, value in optional.items():
+        if value is not None:
+            check.float_like(name, value, "logp", logp)
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when cfg.kl_coef > 0 (kl_coef={cfg.kl_coef})")
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy is required when cfg.entropy_coef != 0 (entropy_coef={cfg.entropy_coef})")
+    if cfg.rollout_correction is not None and rollout_logp is None:
+        raise ValueError(f"rollout_logp is required when cfg.rollout_correction={cfg.rollout_correction!r}")
+
+    dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    active = seg.to_padded(mask != 0, fill=False)
+
+    def padded(x: torch.Tensor | None, *, constant: bool = True) -> torch.Tensor | None:
+        if x is None:
+            return None
+        x = x.detach() if constant else x
+        return masked(seg.to_padded(x).to(dtype), active)
+
+    adv, adv_seq = _advantages(advantages, logp, seg, active, dtype)
+    return _Batch(
+        segments=seg,
+        mask=active,
+        logp=padded(logp, constant=False),
+        old_logp=padded(old_logp),
+        adv=adv,
+        adv_seq=adv_seq,
+        ref_logp=padded(ref_logp),
+        rollout_logp=padded(rollout_logp) if cfg.rollout_correction is not None else None,
+        entropy=padded(entropy, constant=False),
+    )
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    global_tokens: Normalizer | int = None,
+    global_seqs: Normalizer | int = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """The RL policy loss of one micro-batch, and its metrics.
+
+    Args:
+        logp: ``[B, T]`` padded, or ``[N]`` packed with ``cu_seqlens``; float log-probs of the sampled
+            tokens under the current policy (differentiable).
+        old_logp: log-probs under the policy that produced the batch (the trainer's, before the
+            update); same shape/device as ``logp``; constant.
+        advantages: float, one per sequence (``[B]`` / ``[S]``) or one per token (the shape of
+            ``logp``); constant.
+        mask: bool/int/float, the shape of ``logp``; a token is active where ``mask != 0``.
+        cfg: the objective (:class:`PolicyLossConfig`).
+        ref_logp: reference-policy log-probs, required when ``cfg.kl_coef > 0``; constant.
+        rollout_logp: the rollout engine's log-probs, required when ``cfg.rollout_correction`` is
+            set; constant.
+        entropy: per-token entropy (differentiable), required when ``cfg.entropy_coef != 0``.
+        global_tokens: normalizer of ``token-mean`` for the whole step (int, float or 0-dim tensor);
+            the local active-token count when ``None``.
+        global_seqs: normalizer of the ``seq-mean-*`` modes for the whole step; the local count of
+            sequences with an active token when ``None``.
+        cu_seqlens: int ``[S + 1]`` cumulative lengths (0, …, N) for packed input; ``None`` for
+            padded input.
+
+    Returns:
+        :class:`PolicyLossOutput`: ``loss`` (0-dim, float32, or float64 for float64 ``logp``) and
+        ``metrics`` (detached 0-dim tensors).
+
+    Raises:
+        TypeError: a non-tensor or wrong-dtype input, ``cfg`` not a ``PolicyLossConfig``.
+        ValueError: shape/device mismatches, bad ``cu_seqlens``, a missing ``ref_logp`` /
+            ``entropy`` / ``rollout_logp`` that ``cfg`` needs, a non-positive normalizer.
+    """
+    batch = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entropy, cu_seqlens)
+    global_tokens = check.normalizer("global_tokens", global_tokens, logp.device)
+    global_seqs = check.normalizer("global_seqs", global_seqs, logp.device)
+
+    def agg(per_token: torch.Tensor) -> torch.Tensor:
+        return aggregate(
+            per_token,
+            batch.mask,
+            cfg.aggregation,
+            global_tokens=global_tokens,
+            global_seqs=global_seqs,
+            norm_length=cfg.norm_length,
+            width=batch.segments.max_len,
+        )
+
+    term = objectives.policy_term(cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask)
+    per_token = term.loss
+    weights = None
+    if cfg.rollout_correction is not None:
+        weights = rollout.rollout_weights(
+            batch.old_logp,
+            batch.rollout_logp,
+            batch.mask,
+            cfg.rollout_correction,
+            cfg.rollout_clip_min,
+            cfg.rollout_clip_max,
+            per_sequence=term.sequence_level,
+        )
+        per_token = per_token * weights.weight
+    kl = None
+    if batch.ref_logp is not None:
+        estimator = canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator")
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.kl_coef > 0):
+            kl = kl_terms(batch.logp, batch.ref_logp, estimator)
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    loss = agg(per_token)
+    if cfg.entropy_coef != 0:
+        loss = loss - cfg.entropy_coef * agg(batch.entropy)
+    return PolicyLossOutput(loss=loss, metrics=_metrics(cfg, batch, term, kl, weights))
+
+
+@torch.no_grad()
+def _metrics(cfg, batch: _Batch, term, kl, weights) -> dict[str, torch.Tensor]:
+    m = batch.mask
+    low = masked_mean(term.clipped_low.to(batch.logp.dtype), term.ratio_mask)
+    high = masked_mean(term.clipped_high.to(batch.logp.dtype), term.ratio_mask)
+    metrics = {"clip_frac_low": low, "clip_frac_high": high, "clip_frac": low + high}
+    if term.clipped_dual is not None:
+        metrics["clip_frac_dual"] = masked_mean(term.clipped_dual.to(batch.logp.dtype), m)
+    logp, old = batch.logp.detach(), batch.old_logp
+    metrics["approx_kl"] = masked_mean(kl_terms(logp, old, "k3"), m)
+    metrics.update(_ratio_stats(term.ratio, term.ratio_mask))
+    if kl is not None:
+        metrics["kl_ref"] = masked_mean(kl.detach(), m)
+    if batch.entropy is not None:
+        metrics["entropy_mean"] = masked_mean(batch.entropy.detach(), m)
+    if weights is not None:
+        metrics["rollout_weight_mean"] = masked_mean(weights.weight, m)
+        name = "rollout_frac_truncated" if cfg.rollout_correction.endswith("tis") else "rollout_frac_masked"
+        metrics[name] = masked_mean(weights.changed.to(batch.logp.dtype), m)
+    return metrics
+
+
+def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean/min/max of ``ratio`` over ``valid``; all 0 when nothing is valid (no host sync)."""
+    any_valid = valid.any()
+    inf = torch.full((), float("inf"), dtype=ratio.dtype, device=ratio.device)
+    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    smallest = torch.where(valid, ratio, inf).amin() if ratio.numel() else inf
+    largest = torch.where(valid, ratio, -inf).amax() if ratio.numel() else -inf
+    return {
+        "ratio_mean": masked_mean(ratio, valid),
+        "ratio_min": torch.where(any_valid, smallest, zero),
+        "ratio_max": torch.where(any_valid, largest, zero),
+    }

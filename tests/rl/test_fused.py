@@ -1,0 +1,128 @@
+"""fused_policy_loss equals policy_loss(token_logprobs(...)) from logits and from hidden states."""
+
+import pytest
+import torch
+
+import rlkernel as rk
+
+from .helpers import LOSS_CONFIGS, config, make_batch
+
+VOCAB, HIDDEN = 13, 8
+
+
+def _problem(seed=0, packed=False):
+    """Logits/hidden/weight leaves, ids with garbage (-1, out-of-vocab pad ids) at masked positions."""
+    g = torch.Generator().manual_seed(seed)
+    batch = make_batch(3, 5, seed=seed)
+    mask = batch["mask"]
+    ids = torch.randint(0, VOCAB, mask.shape, generator=g)
+    ids = torch.where(mask, ids, torch.where(torch.rand(mask.shape, generator=g) > 0.5, -1, VOCAB + 7))
+    lead = mask.shape
+    cu = None
+    if packed:
+        lengths = [5, 2, 4]
+        cu = torch.tensor([0, 5, 7, 11])
+        take = lambda x: torch.cat([x[i, :n] for i, n in enumerate(lengths)])  # noqa: E731
+        ids, batch = take(ids), {k: (take(v.detach()) if v.dim() == 2 else v) for k, v in batch.items()}
+        lead = ids.shape
+    return dict(
+        ids=ids,
+        cu=cu,
+        batch=batch,
+        logits=torch.randn(*lead, VOCAB, generator=g, dtype=torch.float64).requires_grad_(True),
+        hidden=torch.randn(*lead, HIDDEN, generator=g, dtype=torch.float64).requires_grad_(True),
+        weight=torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64).requires_grad_(True),
+        bias=torch.randn(VOCAB, generator=g, dtype=torch.float64).requires_grad_(True),
+    )
+
+
+def _composed(cfg, p, source, temperature):
+    ids = torch.where(p["batch"]["mask"] != 0, p["ids"], -100)
+    want_entropy = cfg.entropy_coef != 0
+    if source == "logits":
+        out = rk.token_logprobs(p["logits"], ids, temperature=temperature, return_entropy=want_entropy)
+    else:
+        out = rk.linear_token_logprobs(
+            p["hidden"],
+            p["weight"],
+            ids,
+            bias=p["bias"],
+            temperature=temperature,
+            return_entropy=want_entropy,
+        )
+    logp, entropy = out if want_entropy else (out, None)
+    b = p["batch"]
+    return rk.policy_loss(
+        logp,
+        b["old_logp"],
+        b["advantages"],
+        b["mask"],
+        cfg,
+        ref_logp=b["ref_logp"],
+        rollout_logp=b["rollout_logp"],
+        entropy=entropy,
+        cu_seqlens=p["cu"],
+    )
+
+
+def _fused(cfg, p, source, temperature):
+    b = p["batch"]
+    inputs = (
+        {"logits": p["logits"]}
+        if source == "logits"
+        else {"hidden": p["hidden"], "weight": p["weight"], "bias": p["bias"]}
+    )
+    return rk.fused_policy_loss(
+        cfg,
+        token_ids=p["ids"],
+        old_logp=b["old_logp"],
+        advantages=b["advantages"],
+        mask=b["mask"],
+        temperature=temperature,
+        ref_logp=b["ref_logp"],
+        rollout_logp=b["rollout_logp"],
+        cu_seqlens=p["cu"],
+        **inputs,
+    )
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+def test_fused_equals_composition(name, source, packed):
+    cfg = config(
+        name, kl_coef=0.1, entropy_coef=0.02 if name != "reinforce" else 0.0, rollout_correction="token_tis"
+    )
+    p = _problem(seed=len(name), packed=packed)
+    fused, composed = _fused(cfg, p, source, 0.7), _composed(cfg, p, source, 0.7)
+    torch.testing.assert_close(fused.loss, composed.loss, atol=1e-12, rtol=1e-12)
+    assert fused.metrics.keys() == composed.metrics.keys()
+    leaves = [p["logits"]] if source == "logits" else [p["hidden"], p["weight"], p["bias"]]
+    for a, b in zip(
+        torch.autograd.grad(fused.loss, leaves), torch.autograd.grad(composed.loss, leaves), strict=True
+    ):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_masked_positions_get_no_logit_gradient():
+    p = _problem(seed=3)
+    out = _fused(config("ppo", entropy_coef=0.1), p, "logits", 1.0)
+    (grad,) = torch.autograd.grad(out.loss, p["logits"])
+    off = p["batch"]["mask"] == 0
+    assert torch.equal(grad[off], torch.zeros_like(grad[off]))
+    assert grad[~off].abs().sum() > 0
+
+
+def test_entropy_only_when_coefficient_is_nonzero():
+    p = _problem(seed=4)
+    assert "entropy_mean" not in _fused(config("ppo"), p, "logits", 1.0).metrics
+    assert "entropy_mean" in _fused(config("ppo", entropy_coef=0.01), p, "logits", 1.0).metrics
+
+
+def test_active_out_of_range_id_is_rejected():
+    p = _problem(seed=5)
+    p["ids"][0, 0] = VOCAB + 1  # position (0, 0) is active
+    b = p["batch"]
+    kwargs = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"])
+    with pytest.raises(ValueError, match="token_ids"):
+        rk.fused_policy_loss(config("ppo"), logits=p["logits"], **kwargs)
