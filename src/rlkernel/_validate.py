@@ -102,16 +102,22 @@ def choice(name: str, value: object, choices: Iterable[object]) -> object:
     return value
 
 
-def token_ids_in_range(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Every id is in ``[0, vocab_size)`` or equals ``ignore_index``. Costs one host sync."""
+def token_ids_in_range(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
+    """Every id is in ``[0, vocab_size)`` or equals ``ignore_index`` (``None``: no id is exempt).
+
+    Costs one host sync."""
     if ids.numel() == 0:
         return
-    bad = ((ids < 0) | (ids >= vocab_size)) & (ids != ignore_index)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
     if bool(bad.any()):
         first = ids[bad].flatten()[0].item()
         count = int(bad.sum().item())
         raise ValueError(
-            f"{name} has {count} id(s) outside [0, {vocab_size}) that are not ignore_index={ignore_index} "
+            f"{name} has {count} id(s) outside [0, {vocab_size})"
+            + (f" that are not ignore_index={ignore_index}" if ignore_index is not None else "")
+            + " "
             f"(first: {first}); pass validate=False only if you are sure the ids are valid"
         )
 

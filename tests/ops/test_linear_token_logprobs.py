@@ -35,7 +35,7 @@ def test_forward_backward_match_explicit_logits(bias, chunk_rows):
     exp_grads = torch.autograd.grad((exp_logp * g1).sum() + (exp_ent * g2).sum(), leaves)
     torch.testing.assert_close(logp, exp_logp, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ent, exp_ent, atol=1e-12, rtol=1e-12)
-    for got, want in zip(grads, exp_grads):
+    for got, want in zip(grads, exp_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
     assert logp[1, 2] == 0 and ent[1, 2] == 0 and bool((grads[0][1, 2] == 0).all())
 
@@ -43,7 +43,8 @@ def test_forward_backward_match_explicit_logits(bias, chunk_rows):
 def test_public_op_float32_and_bf16():
     h, w, b, ids = make(dtype=torch.float32)
     got = rk.linear_token_logprobs(h, w, ids, bias=b)
-    torch.testing.assert_close(got, explicit(h.double(), w.double(), b.double(), ids).float(), atol=1e-5, rtol=1e-5)
+    expected = explicit(h.double(), w.double(), b.double(), ids).float()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     hb, wb, bb = h.bfloat16(), w.bfloat16(), b.bfloat16()
     got_bf16 = rk.linear_token_logprobs(hb, wb, ids, bias=bb)
     assert got_bf16.dtype == torch.float32
@@ -102,3 +103,16 @@ def test_tp_group_not_implemented_yet():
     h, w, b, ids = make()
     with pytest.raises(NotImplementedError, match="tp_group"):
         rk.linear_token_logprobs(h, w, ids, tp_group=object())
+
+
+def test_ignored_rows_with_garbage_hidden_do_not_reach_any_gradient():
+    h, w, b, ids = make(n=(5,), dtype=torch.float32)
+    h[2] = float("nan")
+    ids[2] = -100
+    for t in (h, w, b):
+        t.requires_grad_(True)
+    logp, ent = rk.linear_token_logprobs(h, w, ids, bias=b, return_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logp).all() and logp[2] == 0
+    assert bool((h.grad[2] == 0).all()) and torch.isfinite(h.grad).all()
+    assert torch.isfinite(w.grad).all() and torch.isfinite(b.grad).all()

@@ -181,3 +181,15 @@ def test_custom_ignore_index():
     ids[3] = 7
     logp = rk.token_logprobs(logits, ids, ignore_index=7)
     assert logp[3] == 0 and logp[0] != 0
+
+
+def test_ignored_rows_with_garbage_get_exact_zero_gradient():
+    logits, ids = make(n_lead=(4,), vocab=9)
+    logits[1] = float("nan")
+    logits[2, 3] = float("inf")
+    ids[1] = ids[2] = -100
+    logits.requires_grad_(True)
+    logp, ent = rk.token_logprobs(logits, ids, return_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert bool((logits.grad[1:3] == 0).all()) and bool((logits.grad[0] != 0).any())

@@ -126,3 +126,23 @@ def test_active_out_of_range_id_is_rejected():
     kwargs = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"])
     with pytest.raises(ValueError, match="token_ids"):
         rk.fused_policy_loss(config("ppo"), logits=p["logits"], **kwargs)
+
+
+def test_active_id_equal_to_ignore_index_is_rejected_not_dropped():
+    p = _problem(seed=6)
+    p["ids"][0, 0] = -100  # position (0, 0) is active: -100 is not a token
+    b = p["batch"]
+    kwargs = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"])
+    with pytest.raises(ValueError, match="active mask positions"):
+        rk.fused_policy_loss(config("ppo"), logits=p["logits"], **kwargs)
+
+
+def test_garbage_logits_at_masked_positions_give_exact_zero_gradient():
+    p = _problem(seed=7)
+    off = p["batch"]["mask"] == 0
+    with torch.no_grad():
+        p["logits"][off] = float("nan")
+    out = _fused(config("ppo", entropy_coef=0.1), p, "logits", 1.0)
+    (grad,) = torch.autograd.grad(out.loss, p["logits"])
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert torch.equal(grad[off], torch.zeros_like(grad[off]))

@@ -14,6 +14,14 @@ from rlkernel import _validate as check
 from rlkernel.reference import logprobs as ref
 
 
+def _triton_token_logprobs():
+    # Imported on first use: importing Triton and registering the custom ops costs ~1 s, and
+    # Triton is an optional dependency; the reference path must import without it.
+    from rlkernel.ops._logprobs_function import token_logprobs_triton
+
+    return token_logprobs_triton
+
+
 def _check_common(
     name: str, x: torch.Tensor, token_ids: object, temperature: float, ignore_index: int
 ) -> torch.Tensor:
@@ -33,6 +41,7 @@ def token_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     validate: bool = True,
+    inplace_backward: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities (and entropy) from logits.
 
@@ -41,12 +50,24 @@ def token_logprobs(
 
     Args:
         logits: ``[..., V]`` float16/bfloat16/float32/float64, any strides (e.g. ``logits[:, :-1]``).
+            The Triton path reads views whose leading dims fold into two strided dims without a
+            copy; other layouts (e.g. two sliced leading dims) cost one copy of the logits.
         token_ids: ``[...]`` integer ids, the leading shape of ``logits``, in ``[0, V)`` or equal to
             ``ignore_index``.
         temperature: the sampling temperature (> 0); logits are divided by it before the softmax.
         ignore_index: positions with this id give logp = entropy = 0 and get no gradient.
         return_entropy: also return the entropy.
-        validate: check that every id is in range (one host sync); ``False`` skips that check only.
+        validate: check that every id is in range (one host sync); ``False`` skips that check only
+            (it is also what makes the call traceable by ``torch.compile(fullgraph=True)``). On the
+            Triton path an out-of-range id then gives a NaN logp rather than an out-of-bounds read.
+        inplace_backward: Triton path only: write the gradient into the logits' own storage during
+            backward instead of a new ``[..., V]`` tensor (saves one logits-sized allocation). The
+            logits (and, for a view such as ``logits[:, :-1]``, the tensor it views) are
+            overwritten, so neither you nor another autograd node may read them after backward;
+            an autograd node that saved them and runs later, or a second backward through the same
+            graph, raises on the version check. Ignored on the reference path (CPU, fp64,
+            ``RLKERNEL_BACKEND=reference``) and inside ``torch.compile``, where the out-of-place
+            kernel runs.
 
     Returns:
         ``logp`` float32 ``[...]``, or ``(logp, entropy)``; float64 for float64 logits.
@@ -62,8 +83,18 @@ def token_logprobs(
         raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
     if validate:
         check.token_ids_in_range("token_ids", ids, vocab, ignore_index)
-    backend = _dispatch.resolve_backend(logits.device, has_kernel=False)
-    assert backend == "reference"
+    # fp64 has no kernel (the kernels accumulate in fp32): it takes the reference under every mode.
+    backend = _dispatch.resolve_backend(logits.device, has_kernel=logits.dtype != torch.float64)
+    if backend == "triton":
+        logp, entropy = _triton_token_logprobs()(
+            logits,
+            ids,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+            inplace_backward=inplace_backward,
+        )
+        return (logp, entropy) if return_entropy else logp
     return ref.token_logprobs(
         logits, ids, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
     )
@@ -105,7 +136,8 @@ def linear_token_logprobs(
     check.float_tensor("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {check.describe(weight)}"
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got {check.describe(weight)}"
         )
     if weight.shape[0] < 1:
         raise ValueError(f"weight must have at least one vocabulary row, got {check.describe(weight)}")

@@ -76,13 +76,18 @@ def token_logprobs(
     lead = logits.shape[:-1]
     z = logits.reshape(-1, logits.shape[-1]).to(acc_dtype(logits)) / temperature
     ids, active = _prepare_ids(token_ids, ignore_index)
+    # Ignored rows may hold garbage (NaN/inf padding): zero them first, or log_softmax's backward
+    # would turn their 0 upstream gradient into NaN (0·NaN) instead of an exact 0.
+    z = torch.where(active[:, None], z, torch.zeros((), dtype=z.dtype, device=z.device))
     logp_all = torch.log_softmax(z, dim=-1)
     zero = torch.zeros((), dtype=z.dtype, device=z.device)
     logp = torch.where(active, logp_all.gather(-1, ids[:, None]).squeeze(-1), zero).reshape(lead)
     if not return_entropy:
         return logp
-    # Σ p log p with 0·(−inf) treated as 0 (a −inf logit has p = 0 and contributes nothing).
-    plogp = torch.where(logp_all.isneginf(), zero, logp_all.exp() * logp_all)
+    # Σ p log p with 0·(−inf) treated as 0 (a −inf logit has p = 0 and contributes nothing). The
+    # −inf is masked *inside* the product: masking its result instead would leave 0·(−inf) = NaN in
+    # the backward of the discarded branch and make the whole row's gradient NaN.
+    plogp = logp_all.exp() * torch.where(logp_all.isneginf(), zero, logp_all)
     entropy = torch.where(active, -plogp.sum(-1), zero).reshape(lead)
     return logp, entropy
 
@@ -215,6 +220,8 @@ def linear_token_logprobs(
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
     ids, active = _prepare_ids(token_ids, ignore_index)
+    # Ignored rows may hold garbage: zero them so they reach neither the logits nor dweight/dbias.
+    h = torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
     rows = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0], h.shape[0])
     logp, entropy = _ChunkedLinearLogprobs.apply(
         h, weight, bias, ids, active, float(temperature), int(rows), bool(return_entropy)

@@ -103,10 +103,21 @@ def fused_policy_loss(
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     _check_source(logits, hidden, weight, bias, tp_group)
     ids = _masked_ids(token_ids, mask)
+    if validate:
+        # Checked here, on the active positions only: an active id equal to IGNORE_INDEX must be an
+        # error, not a silently dropped token. The primitive then skips its own (second) sync.
+        if logits is not None:
+            vocab = check.float_tensor("logits", logits, min_dim=1).shape[-1]
+        else:
+            vocab = check.float_tensor("weight", weight, min_dim=1).shape[0]
+        check.token_ids_in_range(
+            "token_ids (at active mask positions)",
+            torch.where(mask != 0, token_ids, torch.zeros_like(token_ids)),
+            vocab,
+            None,
+        )
     want_entropy = cfg.entropy_coef != 0
-    options = dict(
-        temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy, validate=validate
-    )
+    options = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy, validate=False)
     if logits is not None:
         out = token_logprobs(logits, ids, **options)
     else:

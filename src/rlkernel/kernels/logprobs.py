@@ -1,0 +1,450 @@
+"""Triton kernels for per-token log-probabilities and entropy from logits, and their gradient.
+
+Math (T = temperature, y = token id, z = x / T for the raw logits x of one row; see
+``rlkernel.reference.logprobs`` for the oracle):
+
+    lse = log Σ_j exp(z_j),   logp = z_y − lse,   H = −Σ_j p_j log p_j = lse − Σ_j p_j z_j
+    ∂L/∂x_k = [ g_logp·(δ_ky − p_k) − g_H·p_k·(log p_k + H) ] / T,   p_k = exp(z_k − lse)
+
+Algorithm. Forward: one program per row (grid axis 0, so N may exceed 65,535) streams the row in
+tiles of ``BLOCK_V`` values with an online log-sum-exp (``_reduce.online_lse_step``: scalar running
+max, per-lane running sums, rescaled when the max grows; for the entropy also the running Σ p·z by
+the same rescaling). It writes fp32 ``logp``, ``entropy`` (when asked) and ``lse`` (saved for
+backward). Backward: a 2-D grid (rows on axis 0, vocab tiles on axis 1, at most
+ceil(V / BLOCK_V) ≤ 65,535) recomputes ``p`` from the saved ``lse`` and writes the gradient in the
+logits' dtype, optionally into the logits' own storage.
+
+Memory traffic, b = bytes per logit (2 for bf16), N rows, V vocab:
+    forward   reads N·V·b once; writes 12·N bytes (logp, entropy, lse). One pass.
+    backward  reads N·V·b, writes N·V·b (into a new tensor, or in place into the logits). Two passes.
+    fwd + bwd three passes over the logits: at N = 8192, V = 151,936, bf16 that is 3 × 2.49 GB,
+              2.49 ms at 3.0 TB/s. Plain ``log_softmax(x.float()).gather`` writes and re-reads
+              fp32 [N, V] copies (upcast, log-probs, gradient, cast back): several times the
+              traffic, and an fp32 copy stays alive until backward.
+
+Batch invariance. Block sizes depend only on V and the dtype (``fwd_config``/``bwd_config``), never
+on N. Every per-element operation is elementwise, the tile max is exact, and the final per-row sums
+use ``_reduce.pairwise_sum``, whose order is fixed by BLOCK_V alone. So a row's outputs are bitwise
+identical whatever else is in the batch, whatever its strides, and from run to run (no atomics).
+
+Layout. ``logits`` may be any ``[..., V]`` view whose leading dims fold into at most two strided
+dims (row = outer·stride_b + inner·stride_t), e.g. ``logits[:, :-1]`` of a contiguous
+``[B, T, V]`` tensor, and whose column stride s satisfies (V − 1)·s < 2^31; anything else is copied
+once (``as_kernel_layout``). Row offsets are int64, so N·V ≥ 2^31 works.
+
+Provenance: the online softmax of Milakov & Gimelshein (2018); the ignore-index handling, the saved
+LSE and the in-place backward follow the shape of FlashAttention's ``ops/triton/cross_entropy.py``
+and Liger-Kernel's ``ops/cross_entropy.py``, written anew here.
+
+Caveats:
+    * An id outside [0, V) that is not ``ignore_index`` (possible only with ``validate=False``)
+      reads nothing out of bounds: its logp is NaN and its gradient has no one-hot term.
+    * Small N (decode-sized batches) leave most SMs idle: one program per row. A split-V forward
+      whose split count depends only on V would keep invariance; not done yet.
+    * fp64 logits are not handled here; the public op sends them to the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
+
+# Tile sizes, chosen for H100 HBM3 (~3.35 TB/s; ~20-25 KiB must be in flight per SM to cover the
+# latency). Forward: 16 KiB tiles (8192 bf16 / 4096 fp32 values) at 16 values per thread and 3
+# pipeline stages: ~55 registers/thread without entropy (2 CTAs of 16 warps per SM, 4 tiles = 64 KiB
+# in flight), ~100 with entropy (1 CTA, 32 KiB in flight); compiled offline for sm_90 with
+# triton 3.9, no spills. Backward: one 8 KiB tile per program at 16 values per thread, ~32-40
+# registers, so 8 CTAs (64 warps, 64 KiB of loads) fit per SM. First choices, to be confirmed on
+# the H100 (scripts/gpu_check_logprobs.py --sweep).
+FWD_TILE_BYTES = 16 * 1024
+BWD_TILE_BYTES = 8 * 1024
+VALUES_PER_THREAD = 16
+MAX_WARPS = 16
+FWD_STAGES = 3
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch configuration. ``block_v`` of the forward sets which values share a lane and so the
+    bits of the result; it must depend on (V, dtype) only, never on N (batch invariance)."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def _config(n_cols: int, dtype: torch.dtype, tile_bytes: int, num_stages: int) -> KernelConfig:
+    # At least 16 lanes: tiny vocabularies waste a few masked lanes instead of compiling 1-wide blocks.
+    block = max(16, min(triton.next_power_of_2(n_cols), tile_bytes // dtype.itemsize))
+    num_warps = min(MAX_WARPS, max(1, block // (32 * VALUES_PER_THREAD)))
+    return KernelConfig(block, num_warps, num_stages)
+
+
+def fwd_config(n_cols: int, dtype: torch.dtype) -> KernelConfig:
+    """Forward launch configuration: a function of V and dtype only (batch invariance)."""
+    return _config(n_cols, dtype, FWD_TILE_BYTES, FWD_STAGES)
+
+
+def bwd_config(n_cols: int, dtype: torch.dtype) -> KernelConfig:
+    """Backward launch configuration (the kernel is elementwise: any choice is invariant)."""
+    return _config(n_cols, dtype, BWD_TILE_BYTES, 1)
+
+
+# ---------------------------------------------------------------------------------------- layout
+def row_layout(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``(n_inner, stride_b, stride_t, stride_v)`` addressing row r of ``x [..., V]`` at
+    ``(r // n_inner)·stride_b + (r % n_inner)·stride_t``, or ``None`` when the leading dims do not
+    fold into two strided dims or the column offsets could overflow int32."""
+    n_cols = x.shape[-1]
+    stride_v = x.stride(-1) if n_cols > 1 else 1
+    if stride_v != 1 and (stride_v <= 0 or (n_cols - 1) * stride_v > _INT32_MAX):
+        return None
+    merged: list[list[int]] = []  # [size, stride], outermost first
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1], strict=True):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    if not merged:
+        return 1, 0, 0, stride_v
+    if len(merged) == 1:
+        return merged[0][0], 0, merged[0][1], stride_v
+    if len(merged) == 2:
+        return merged[1][0], merged[0][1], merged[1][1], stride_v
+    return None
+
+
+def as_kernel_layout(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` itself when the kernels can address it in place, else one contiguous copy.
+
+    No copy for contiguous tensors, for ``logits[:, :-1]`` of a ``[B, T, V]`` tensor, or for any
+    view whose leading dims fold into two strided dims. A copy (N·V values, once) for e.g. a
+    ``[A, B, C, V]`` view sliced in two leading dims, or a transposed ``[V, N].T`` at large N·V.
+    """
+    return logits if row_layout(logits) is not None else logits.contiguous()
+
+
+def can_write_in_place(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` has its own memory (no stride-0 or overlapping dims)."""
+    dims = sorted((st, s) for s, st in zip(x.shape, x.stride(), strict=True) if s > 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            return False
+        reach = stride * size
+    return True
+
+
+def _device_guard(t: torch.Tensor):
+    # Triton launches on the current CUDA device; make it the tensors' device (multi-GPU hosts).
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _flat_ids(token_ids: torch.Tensor) -> torch.Tensor:
+    # N ids: a copy costs nothing next to the N·V logits. The kernel loads any integer dtype.
+    return token_ids.reshape(-1).contiguous()
+
+
+def _flat_f32(t: torch.Tensor) -> torch.Tensor:
+    # Upstream gradients may arrive expanded (stride 0) or in another float dtype.
+    return t.reshape(-1).to(torch.float32).contiguous()
+
+
+# --------------------------------------------------------------------------------------- kernels
+@triton.jit(do_not_specialize=["ignore_index"])
+def _token_logprobs_fwd_kernel(
+    # outputs
+    logp_ptr,
+    entropy_ptr,
+    lse_ptr,
+    # inputs
+    x_ptr,
+    stride_xb,
+    stride_xt,
+    stride_xv,
+    ids_ptr,
+    # sizes
+    n_inner,
+    n_cols,
+    # runtime scalars
+    temperature,
+    ignore_index,
+    # meta
+    BLOCK_V: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+):
+    """One row per program: logp = (x_y − m)/T − log l, lse = m/T + log l, H = log l − s/l, with
+    m = max x, l = Σ exp((x − m)/T), s = Σ exp((x − m)/T)·(x − m)/T. Ignored rows write 0 and
+    read no logits (their loop runs zero times)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + (row // n_inner) * stride_xb + (row % n_inner) * stride_xt
+    y = tl.load(ids_ptr + row).to(tl.int64)
+    active = y != ignore_index
+    inv_t = 1.0 / tl.cast(temperature, tl.float32)
+
+    offs_v = tl.arange(0, BLOCK_V)
+    m_i = tl.full((), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    s_i = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    n_stream = tl.where(active, n_cols, 0)
+    # NUM_STAGES > 1 lets Triton stage the next tiles through shared memory (cp.async) while this
+    # one is reduced: more bytes in flight per SM at no register cost. It changes no arithmetic.
+    for v0 in tl.range(0, n_stream, BLOCK_V, num_stages=NUM_STAGES):
+        cols = v0 + offs_v
+        # Upcast on load: all statistics are fp32 whatever the logits' dtype.
+        x = tl.load(x_row + cols * stride_xv, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        m_i, l_i, s_i = online_lse_step(x, m_i, l_i, s_i, inv_t, HAS_ENTROPY)
+
+    shift = finite_shift(m_i)
+    l_sum = pairwise_sum(l_i)
+    log_l = tl.log(l_sum)
+    in_vocab = active & (y >= 0) & (y < n_cols)
+    x_y = tl.load(x_row + tl.where(in_vocab, y, 0) * stride_xv, mask=in_vocab, other=float("nan"))
+    logp = (x_y.to(tl.float32) - shift) * inv_t - log_l
+    tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
+    tl.store(lse_ptr + row, tl.where(active, shift * inv_t + log_l, 0.0))
+    if HAS_ENTROPY:
+        entropy = log_l - pairwise_sum(s_i) / l_sum
+        tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
+
+
+@triton.jit(do_not_specialize=["ignore_index"])
+def _token_logprobs_bwd_kernel(
+    # outputs
+    dx_ptr,
+    stride_db,
+    stride_dt,
+    stride_dv,
+    # inputs
+    x_ptr,
+    stride_xb,
+    stride_xt,
+    stride_xv,
+    ids_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logp_ptr,
+    grad_entropy_ptr,
+    # sizes
+    n_inner,
+    n_cols,
+    # runtime scalars
+    temperature,
+    ignore_index,
+    # meta
+    BLOCK_V: tl.constexpr,
+    HAS_GRAD_LOGP: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+):
+    """dx = [g_logp·(onehot − p) − g_H·p·(log p + H)] / T on one tile of one row, p = exp(x/T − lse).
+
+    ``dx_ptr`` may equal ``x_ptr`` (in-place): each element is loaded before it is overwritten by
+    the same program. Ignored rows store exact zeros and load nothing."""
+    row = tl.program_id(0).to(tl.int64)
+    outer = row // n_inner
+    inner = row % n_inner
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = cols < n_cols
+    y = tl.load(ids_ptr + row).to(tl.int64)
+    active = y != ignore_index
+    inv_t = 1.0 / tl.cast(temperature, tl.float32)
+    lse = tl.load(lse_ptr + row)
+
+    x_row = x_ptr + outer * stride_xb + inner * stride_xt
+    n_load = tl.where(active, n_cols, 0)  # ignored rows load nothing
+    x = tl.load(x_row + cols * stride_xv, mask=cols < n_load, other=0.0).to(tl.float32)
+    log_p = x * inv_t - lse
+    p = tl.exp(log_p)
+    dz = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    if HAS_GRAD_LOGP:
+        g_logp = tl.load(grad_logp_ptr + row)
+        dz += tl.where(cols == y, g_logp, 0.0) - g_logp * p
+    if HAS_GRAD_ENTROPY:
+        g_entropy = tl.load(grad_entropy_ptr + row)
+        entropy = tl.load(entropy_ptr + row)
+        # A −inf logit has p = 0 exactly; p·(log p + H) would be 0·(−inf) = NaN.
+        dz -= g_entropy * tl.where(x == float("-inf"), 0.0, p * (log_p + entropy))
+    dx = tl.where(active, dz * inv_t, 0.0)
+    dx_row = dx_ptr + outer * stride_db + inner * stride_dt
+    tl.store(dx_row + cols * stride_dv, dx.to(dx_ptr.dtype.element_ty), mask=mask_v)
+
+
+# ------------------------------------------------------------------------------------- launchers
+def _check_layout(logits: torch.Tensor) -> tuple[int, int, int, int]:
+    layout = row_layout(logits)
+    assert layout is not None, "call as_kernel_layout(logits) first"
+    assert logits.dtype in (torch.float16, torch.bfloat16, torch.float32), logits.dtype
+    return layout
+
+
+def _token_logprobs_fwd(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    lse: torch.Tensor,
+    *,
+    temperature: float,
+    ignore_index: int,
+    config: KernelConfig | None = None,
+) -> None:
+    """Out-variant forward: fills fp32 contiguous ``logp``, ``lse`` and (unless None) ``entropy``,
+    each with ``logits.shape[:-1]`` elements. ``logits`` must be in kernel layout
+    (``as_kernel_layout``). ``config`` overrides ``fwd_config`` for tests and tuning only: a row's
+    bits depend on its ``block_v``, so production calls leave it None."""
+    n_inner, stride_b, stride_t, stride_v = _check_layout(logits)
+    n_rows, n_cols = logp.numel(), logits.shape[-1]
+    if n_rows == 0:
+        return
+    for out in (logp, lse) if entropy is None else (logp, lse, entropy):
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == n_rows
+    cfg = config or fwd_config(n_cols, logits.dtype)
+    ids = _flat_ids(token_ids)
+    with _device_guard(logits):
+        _token_logprobs_fwd_kernel[(n_rows,)](
+            logp,
+            entropy if entropy is not None else logp,
+            lse,
+            logits,
+            stride_b,
+            stride_t,
+            stride_v,
+            ids,
+            n_inner,
+            n_cols,
+            float(temperature),
+            int(ignore_index),
+            BLOCK_V=cfg.block_v,
+            NUM_STAGES=cfg.num_stages,
+            HAS_ENTROPY=entropy is not None,
+            num_warps=cfg.num_warps,
+        )
+
+
+def token_logprobs_fwd(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocating forward: ``(logp, entropy, lse)``, fp32 with ``logits.shape[:-1]``; ``entropy``
+    is an empty ``[0]`` tensor unless ``return_entropy``. Copies ``logits`` only if its layout
+    needs it (``as_kernel_layout``)."""
+    x = as_kernel_layout(logits)
+    lead = x.shape[:-1]
+    logp = torch.empty(lead, dtype=torch.float32, device=x.device)
+    lse = torch.empty(lead, dtype=torch.float32, device=x.device)
+    entropy = torch.empty(lead if return_entropy else (0,), dtype=torch.float32, device=x.device)
+    _token_logprobs_fwd(
+        x,
+        token_ids,
+        logp,
+        entropy if return_entropy else None,
+        lse,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        config=config,
+    )
+    return logp, entropy, lse
+
+
+def _token_logprobs_bwd(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    grad_logits: torch.Tensor,
+    *,
+    temperature: float,
+    ignore_index: int,
+    config: KernelConfig | None = None,
+) -> None:
+    """Out-variant backward: fills ``grad_logits`` (the logits' dtype), which is either a
+    contiguous tensor of ``logits.shape`` or ``logits`` itself (in place: the logits are destroyed).
+    ``grad_logp``/``grad_entropy`` None mean zero; ``entropy`` is needed with ``grad_entropy``."""
+    n_inner, stride_xb, stride_xt, stride_xv = _check_layout(logits)
+    n_cols = logits.shape[-1]
+    n_rows = logits.numel() // max(n_cols, 1)
+    assert grad_logits.shape == logits.shape and grad_logits.dtype == logits.dtype
+    if grad_logits.data_ptr() == logits.data_ptr() and grad_logits.stride() == logits.stride():
+        strides_d = (stride_xb, stride_xt, stride_xv)
+    else:
+        assert grad_logits.is_contiguous(), "grad_logits must be contiguous or be the logits"
+        strides_d = (n_inner * n_cols, n_cols, 1)
+    if n_rows == 0:
+        return
+    assert grad_entropy is None or entropy is not None, "grad_entropy needs the saved entropy"
+    cfg = config or bwd_config(n_cols, logits.dtype)
+    grid = (n_rows, triton.cdiv(n_cols, cfg.block_v))
+    assert grid[1] <= 65535, f"vocabulary {n_cols} needs {grid[1]} tiles on grid axis 1 (> 65,535)"
+    flat_lse = _flat_f32(lse)
+    g_logp = _flat_f32(grad_logp) if grad_logp is not None else flat_lse
+    g_entropy = _flat_f32(grad_entropy) if grad_entropy is not None else flat_lse
+    ent = _flat_f32(entropy) if grad_entropy is not None else flat_lse
+    with _device_guard(logits):
+        _token_logprobs_bwd_kernel[grid](
+            grad_logits,
+            *strides_d,
+            logits,
+            stride_xb,
+            stride_xt,
+            stride_xv,
+            _flat_ids(token_ids),
+            flat_lse,
+            ent,
+            g_logp,
+            g_entropy,
+            n_inner,
+            n_cols,
+            float(temperature),
+            int(ignore_index),
+            BLOCK_V=cfg.block_v,
+            HAS_GRAD_LOGP=grad_logp is not None,
+            HAS_GRAD_ENTROPY=grad_entropy is not None,
+            num_warps=cfg.num_warps,
+        )
+
+
+def token_logprobs_bwd(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Allocating backward: a new contiguous ``grad_logits`` in the logits' dtype and shape."""
+    x = as_kernel_layout(logits)
+    grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _token_logprobs_bwd(
+        x,
+        token_ids,
+        lse,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        grad,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        config=config,
+    )
+    return grad
