@@ -14,10 +14,19 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from rlkernel.bench.cli import add_arguments, run
+
+    p = sub.add_parser("bench", help="run a benchmark suite (logits) or regenerate the README table")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlkernel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
+    _add_bench(sub)
     return parser
 
 

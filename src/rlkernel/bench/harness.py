@@ -1,0 +1,540 @@
+"""The benchmark harness: timing, peak memory, correctness cross-checks, result rows, CSV/JSON.
+
+A *suite* (``rlkernel.bench.logits``, later ``linear``, ``invariant``) describes workloads; this module
+runs every implementation of one workload in the same process and turns the measurements into one
+row per (workload, implementation), plus one ``ceiling`` row per workload.
+
+Method (DESIGN.md, "Performance method"):
+
+* **Timing.** Every implementation is called once (the first call compiles / JITs; its wall time is
+  kept as ``first_call_s``), then ``warmup`` more times, then the implementations are *interleaved*:
+  ``rounds`` rounds, each calling every implementation ``reps`` times in a rotated order, so that
+  clock or thermal drift hits all of them alike. On CUDA each call is bracketed by its own pair of
+  CUDA events (GPU time of the call, including launch gaps the call itself causes, e.g. a host
+  sync); on CPU by ``time.perf_counter``. The row reports the median and the 20th/80th percentiles.
+* **Inputs and L2.** Inputs larger than the L2 cache are reused as they are (they cannot stay
+  resident). Only when a workload's inputs would fit in L2 does the harness ask the suite for several
+  copies and rotate through them, so no call reads a cache-warm input.
+* **Peak extra memory.** ``torch.cuda.reset_peak_memory_stats()``; ``base = memory_allocated()`` with
+  the inputs already allocated; one call; ``max_memory_allocated() − base``. Inputs are excluded; the
+  outputs of the call (for fwd+bwd: the logits gradient) and all its temporaries are included.
+* **Cross-check.** That same call's outputs are compared with the suite's reference implementation
+  (plain PyTorch): ``max_abs_diff`` over the forward values, ``grad_rel_diff`` = max |g − g_ref| /
+  max |g_ref| over the input gradients. A benchmark of a wrong implementation is worthless, so the
+  numbers sit next to the timings.
+* **Roofline.** ``bytes_moved`` / ``flops`` per workload come from the suite (documented there); the
+  row's TB/s and TFLOP/s and their fractions of the ceilings measured in the same run
+  (:mod:`rlkernel.bench.ceilings`). The ``ceiling`` row is the time the minimal traffic (and math)
+  would take at those ceilings.
+
+Caveats:
+    * CPU results (``--smoke``) only exercise the pipeline: the device column says ``cpu`` and the
+      memory columns stay empty.
+    * An implementation that raises (or runs out of memory) gets a row with status ``error: ...``
+      (``oom``) and the run goes on; the CLI exits non-zero if any row is an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+
+class BenchError(ValueError):
+    """A user error in the bench command line (unknown suite, implementation, workload, size)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# What a suite hands to the harness
+# --------------------------------------------------------------------------------------------------
+
+
+class CallResult(NamedTuple):
+    """What one call of an implementation returns, for the cross-check (dropped when timing)."""
+
+    values: tuple[torch.Tensor, ...]
+    grads: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class Skip:
+    """An implementation that cannot run for this workload, and why (recorded as a row)."""
+
+    reason: str
+
+
+Call = Callable[[int], CallResult]
+
+
+@dataclass
+class Prepared:
+    """A workload's inputs, bound into one callable per implementation.
+
+    ``calls[impl](i)`` runs the implementation once on input copy ``i % copies``.
+    """
+
+    calls: dict[str, Call | Skip]
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a suite needs to choose and build its workloads."""
+
+    device: torch.device
+    smoke: bool = False
+    quick: bool = False
+    n_tokens: tuple[int, ...] | None = None
+    vocab: tuple[int, ...] | None = None
+    impls: tuple[str, ...] | None = None
+    workloads: tuple[str, ...] | None = None
+    compile_backend: str = "inductor"
+    warmup: int = 1
+    rounds: int = 5
+    reps: int = 3
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One measured configuration of a suite.
+
+    Attributes:
+        name: the workload kind (``dapo_kl_fwd_bwd``); with ``params`` it identifies the row.
+        pass_: ``fwd`` or ``fwd+bwd``.
+        params: suite-specific columns (``n_tokens``, ``vocab`` ...), in column order.
+        bytes_moved: bytes the math must move at least (None: not memory-bound, not reported).
+        flops: floating-point operations the math needs (None: not reported).
+        input_bytes: footprint of one set of inputs (decides L2 rotation).
+        impls: the implementations to run, in display order.
+        reference: the implementation the others are cross-checked against.
+        setup: ``setup(device, impls, copies) -> Prepared``; allocates inputs.
+    """
+
+    name: str
+    pass_: str
+    params: dict[str, Any]
+    bytes_moved: int | None
+    flops: int | None
+    input_bytes: int
+    impls: tuple[str, ...]
+    reference: str | None
+    setup: Callable[[torch.device, tuple[str, ...], int], Prepared]
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.name, *(f"{k}={v}" for k, v in self.params.items())])
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A registered benchmark suite (see ``rlkernel.bench.SUITES``)."""
+
+    name: str
+    description: str
+    impls: tuple[str, ...]
+    kinds: tuple[str, ...]
+    param_columns: tuple[str, ...]
+    baseline: str
+    build: Callable[[Options], list[Workload]]
+    bytes_doc: str = ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing and memory
+# --------------------------------------------------------------------------------------------------
+
+
+def input_copies(input_bytes: int, l2_bytes: int) -> int:
+    """1 if the inputs cannot stay in L2; else enough copies to cycle through 4× L2 (at most 16)."""
+    if l2_bytes <= 0 or input_bytes >= l2_bytes:
+        return 1
+    return min(16, math.ceil(4 * l2_bytes / max(input_bytes, 1)))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    calls: dict[str, Callable[[int], Any]], device: torch.device, *, rounds: int, reps: int, copies: int = 1
+) -> dict[str, list[float]]:
+    """Per-call times in ms, the implementations interleaved round-robin in a rotated order."""
+    names = list(calls)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    i = 0
+    for r in range(rounds):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            fn = calls[name]
+            if device.type == "cuda":
+                events = [
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    for _ in range(reps)
+                ]
+                for start, end in events:
+                    start.record()
+                    fn(i % copies)
+                    end.record()
+                    i += 1
+                torch.cuda.synchronize(device)
+                samples[name] += [start.elapsed_time(end) for start, end in events]
+            else:
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn(i % copies)
+                    samples[name].append((time.perf_counter() - t0) * 1e3)
+                    i += 1
+    return samples
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of a non-empty sample."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def measure_call(call: Call, device: torch.device) -> tuple[CallResult, float | None]:
+    """Run ``call(0)`` once; return its result and the peak extra memory in bytes (None on CPU)."""
+    if device.type != "cuda":
+        return call(0), None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = call(0)
+    torch.cuda.synchronize(device)
+    return out, float(torch.cuda.max_memory_allocated(device) - base)
+
+
+def _max_abs_diff(values: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float | None:
+    if len(values) != len(ref) or not values:
+        return None
+    worst = 0.0
+    for a, b in zip(values, ref, strict=True):
+        if a.shape != b.shape:
+            return None
+        if a.numel():
+            worst = max(worst, (a.detach().double() - b.detach().double()).abs().max().item())
+    return worst
+
+
+def _grad_rel_diff(grads: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float | None:
+    """max |g − g_ref| / max |g_ref|, in chunks of the leading dim to bound the fp32 temporaries."""
+    if len(grads) != len(ref) or not grads:
+        return None
+    num = den = 0.0
+    for g, r in zip(grads, ref, strict=True):
+        if g.shape != r.shape:
+            return None
+        if not g.numel():
+            continue
+        step = max(1, (1 << 26) // max(1, g[0].numel()))
+        for s in range(0, g.shape[0], step):
+            a, b = g[s : s + step].float(), r[s : s + step].float()
+            num = max(num, (a - b).abs().max().item())
+            den = max(den, b.abs().max().item())
+    return num / den if den > 0 else num
+
+
+def _free(device: torch.device, *, collect: bool = False) -> None:
+    """Return cached blocks to the driver between implementations (less fragmentation for the next
+    one); ``collect`` also runs the garbage collector (slow once Dynamo is loaded: per workload only)."""
+    if device.type != "cuda":
+        return
+    if collect:
+        gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _error_status(exc: BaseException) -> str:
+    if _is_oom(exc):
+        return "oom"
+    msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return "error: " + (msg[:300] + "..." if len(msg) > 300 else msg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Running one workload, and a suite
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    """What the harness learned about one implementation of one workload."""
+
+    impl: str
+    status: str = "ok"
+    samples: list[float] = field(default_factory=list)
+    first_call_s: float | None = None
+    peak_bytes: float | None = None
+    max_abs_diff: float | None = None
+    grad_rel_diff: float | None = None
+    note: str = ""
+
+
+def _time_all(timed: dict[str, Call], results: dict[str, Measurement], opts: Options, copies: int) -> None:
+    """Interleaved timing; if that fails (e.g. an OOM from fragmentation between implementations),
+    time each implementation alone and say so in its notes, so one failure costs one row."""
+    if not timed:
+        return
+    kw = {"rounds": opts.rounds, "reps": opts.reps, "copies": copies}
+    try:
+        samples = time_interleaved(timed, opts.device, **kw)
+    except Exception as exc:  # noqa: BLE001
+        print(f"    interleaved timing failed ({_error_status(exc)}); timing one at a time", flush=True)
+        _free(opts.device, collect=True)
+        samples = {}
+        for impl, call in timed.items():
+            results[impl].note = "; ".join(x for x in (results[impl].note, "timed alone") if x)
+            try:
+                samples.update(time_interleaved({impl: call}, opts.device, **kw))
+            except Exception as exc_one:  # noqa: BLE001
+                results[impl].status = _error_status(exc_one)
+                _free(opts.device, collect=True)
+    for impl, xs in samples.items():
+        results[impl].samples = xs
+
+
+def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> list[Measurement]:
+    """Set up, cross-check, measure memory of, and time every implementation of ``workload``."""
+    device = opts.device
+    copies = input_copies(workload.input_bytes, l2_bytes)
+    results = {impl: Measurement(impl) for impl in workload.impls}
+    try:
+        prepared = workload.setup(device, workload.impls, copies)
+    except Exception as exc:  # noqa: BLE001 - e.g. the inputs do not fit: record it, go on
+        status = _error_status(exc)
+        print(f"    setup failed: {status}", flush=True)
+        for m in results.values():
+            m.status = status
+        _free(device, collect=True)
+        return list(results.values())
+    for impl, call in prepared.calls.items():
+        results[impl].note = prepared.notes.get(impl, "")
+        if isinstance(call, Skip):
+            results[impl].status = "skipped: " + call.reason
+    runnable = [i for i in workload.impls if not isinstance(prepared.calls.get(i), Skip)]
+    # The reference goes first so that the others can be compared with its outputs.
+    if workload.reference in runnable:
+        runnable.remove(workload.reference)
+        runnable.insert(0, workload.reference)
+    ref_out: CallResult | None = None
+    for impl in runnable:
+        m, call = results[impl], prepared.calls[impl]
+        assert not isinstance(call, Skip)
+        try:
+            t0 = time.perf_counter()
+            call(0)
+            synchronize(device)
+            m.first_call_s = time.perf_counter() - t0
+            for w in range(opts.warmup):
+                call(w % copies)
+            synchronize(device)
+            out, m.peak_bytes = measure_call(call, device)
+            if impl == workload.reference:
+                ref_out = out
+            elif ref_out is not None:
+                m.max_abs_diff = _max_abs_diff(out.values, ref_out.values)
+                m.grad_rel_diff = _grad_rel_diff(out.grads, ref_out.grads)
+            del out
+        except Exception as exc:  # noqa: BLE001 - one failing implementation must not end the run
+            m.status = _error_status(exc)
+            print(f"    {impl}: {m.status}", flush=True)
+            _free(device, collect=True)
+        _free(device)
+    ref_out = None
+    _free(device)
+    timed = {i: prepared.calls[i] for i in runnable if results[i].status == "ok"}
+    _time_all(timed, results, opts, copies)
+    del prepared, timed
+    _free(device, collect=True)
+    return [results[i] for i in workload.impls]
+
+
+COMMON_HEAD = ("suite", "workload", "pass")
+# median/p20/p80 over the timed calls; peak memory above the inputs; achieved rates and fractions of
+# the ceilings of this run; speedup over the suite's baseline (plain torch); the cross-check against
+# the reference implementation; then the environment.
+COMMON_TAIL = tuple(
+    """impl status median_ms p20_ms p80_ms samples first_call_s peak_extra_gb bytes_gb tbps tflops
+    frac_copy_bw frac_gemm speedup_vs_baseline max_abs_diff grad_rel_diff ceiling_copy_tbps
+    ceiling_gemm_tflops device gpu torch cuda triton liger rlkernel python date_utc commit notes""".split()
+)
+
+
+def select(requested: Sequence[str] | None, valid: tuple[str, ...], what: str, suite: str) -> tuple[str, ...]:
+    """``requested`` validated against ``valid`` (BenchError naming the bad entry), in ``valid``'s
+    order; None selects all."""
+    if requested is None:
+        return valid
+    bad = [r for r in requested if r not in valid]
+    if bad:
+        raise BenchError(f"unknown {what} {bad[0]!r} for suite {suite!r}; choose from: {', '.join(valid)}")
+    return tuple(r for r in valid if r in requested)
+
+
+def columns_for(suite: Suite) -> tuple[str, ...]:
+    return COMMON_HEAD + suite.param_columns + COMMON_TAIL
+
+
+def make_rows(
+    suite: Suite, workload: Workload, results: list[Measurement], ceilings: Any, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """One row per implementation plus the ``ceiling`` row (native Python types; None = empty)."""
+    bw, gemm = ceilings.copy_bytes_per_s, ceilings.gemm_flops_per_s
+    medians = {m.impl: statistics.median(m.samples) for m in results if m.samples}
+    base_ms = medians.get(suite.baseline)
+    common = {"suite": suite.name, "workload": workload.name, "pass": workload.pass_, **workload.params}
+    tail = {"ceiling_copy_tbps": bw / 1e12, "ceiling_gemm_tflops": gemm / 1e12, **env}
+    gb = workload.bytes_moved / 1e9 if workload.bytes_moved is not None else None
+    rows = []
+    for m in results:
+        ms = medians.get(m.impl)
+        sec = ms / 1e3 if ms else None
+        tbps = workload.bytes_moved / sec / 1e12 if sec and workload.bytes_moved is not None else None
+        tflops = workload.flops / sec / 1e12 if sec and workload.flops is not None else None
+        rows.append(
+            {
+                **common,
+                "impl": m.impl,
+                "status": m.status,
+                "median_ms": ms,
+                "p20_ms": quantile(m.samples, 0.2) if m.samples else None,
+                "p80_ms": quantile(m.samples, 0.8) if m.samples else None,
+                "samples": len(m.samples) or None,
+                "first_call_s": m.first_call_s,
+                "peak_extra_gb": m.peak_bytes / 1e9 if m.peak_bytes is not None else None,
+                "bytes_gb": gb,
+                "tbps": tbps,
+                "tflops": tflops,
+                "frac_copy_bw": tbps * 1e12 / bw if tbps is not None else None,
+                "frac_gemm": tflops * 1e12 / gemm if tflops is not None else None,
+                "speedup_vs_baseline": base_ms / ms if base_ms and ms else None,
+                "max_abs_diff": m.max_abs_diff,
+                "grad_rel_diff": m.grad_rel_diff,
+                **tail,
+                "notes": m.note,
+            }
+        )
+    # The roofline: the minimal traffic at the measured copy bandwidth, the math at the GEMM rate.
+    t_bytes = workload.bytes_moved / bw if workload.bytes_moved is not None else 0.0
+    t_flops = workload.flops / gemm if workload.flops is not None else 0.0
+    t = max(t_bytes, t_flops)
+    if t > 0:
+        bound = "copy bandwidth" if t_bytes >= t_flops else "bf16 GEMM rate"
+        rows.append(
+            {
+                **common,
+                "impl": "ceiling",
+                "status": "model",
+                "median_ms": t * 1e3,
+                "bytes_gb": gb,
+                "tbps": workload.bytes_moved / t / 1e12 if workload.bytes_moved is not None else None,
+                "tflops": workload.flops / t / 1e12 if workload.flops is not None else None,
+                "frac_copy_bw": t_bytes / t if workload.bytes_moved is not None else None,
+                "frac_gemm": t_flops / t if workload.flops is not None else None,
+                "speedup_vs_baseline": base_ms / (t * 1e3) if base_ms else None,
+                **tail,
+                "notes": f"bound by the {bound} measured in this run",
+            }
+        )
+    return rows
+
+
+# Environment variables that change what is measured; recorded in the JSON meta.
+ENV_VARS = ("RLKERNEL_BACKEND", "TRITON_INTERPRET", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
+
+
+def _progress(m: Measurement) -> str:
+    if not m.samples:
+        return f"{m.impl} {m.status.split(':')[0]}"
+    first = f" (1st call {m.first_call_s:.1f} s)" if m.first_call_s and m.first_call_s >= 1 else ""
+    return f"{m.impl} {statistics.median(m.samples):.3g} ms{first}"
+
+
+def run_suite(suite: Suite, opts: Options, *, log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
+    """Measure the ceilings, then every workload of ``suite``; return (rows, meta)."""
+    from rlkernel.bench import ceilings as ceil_mod
+
+    workloads = suite.build(opts)
+    if not workloads:
+        raise BenchError(f"suite {suite.name!r}: the selection leaves no workload to run")
+    env = ceil_mod.collect_env(opts.device)
+    t_start = time.perf_counter()
+    log(f"rlkernel bench {suite.name}: {len(workloads)} workloads on {env['gpu']} (torch {env['torch']})")
+    ceilings = ceil_mod.measure(opts.device, smoke=opts.smoke)
+    log(f"ceilings: {ceilings.describe()}")
+    l2 = ceil_mod.l2_cache_bytes(opts.device)
+    rows: list[dict] = []
+    for k, w in enumerate(workloads, 1):
+        log(f"[{k}/{len(workloads)}] {w.label} ({', '.join(w.impls)})")
+        t0 = time.perf_counter()
+        results = bench_workload(w, opts, l2_bytes=l2)
+        summary = ", ".join(_progress(m) for m in results)
+        log(f"    {time.perf_counter() - t0:.1f} s: {summary}")
+        rows += make_rows(suite, w, results, ceilings, env)
+    meta = {
+        "suite": suite.name,
+        "description": suite.description,
+        "bytes_doc": suite.bytes_doc,
+        "env": env,
+        "ceilings": ceilings.as_dict(),
+        "options": {
+            k: (str(v) if isinstance(v, torch.device) else v) for k, v in dataclasses.asdict(opts).items()
+        },
+        "command": " ".join(sys.argv),
+        "env_vars": {k: os.environ.get(k) for k in ENV_VARS if os.environ.get(k) is not None},
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    log(f"done in {meta['wall_s']} s")
+    return rows, meta
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+
+def _csv_cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def write_results(suite: Suite, rows: list[dict], meta: dict, out_dir: Path) -> tuple[Path, Path]:
+    """``<out>/<suite>.csv`` (one row per workload × impl) and ``<out>/<suite>.json`` (meta + rows)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cols = columns_for(suite)
+    csv_path, json_path = out_dir / f"{suite.name}.csv", out_dir / f"{suite.name}.json"
+    with csv_path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow({c: _csv_cell(row.get(c)) for c in cols})
+    with json_path.open("w") as f:
+        json.dump({"meta": meta, "columns": list(cols), "rows": rows}, f, indent=1, default=str)
+        f.write("\n")
+    return csv_path, json_path

@@ -1,0 +1,599 @@
+"""Benchmark suite ``logits``: log-probs, entropy and RL losses from bf16 logits ``[N, V]``.
+
+Workloads (N tokens, V vocabulary; defaults N ∈ {4096, 8192, 16384}, V ∈ {32768, 151936}):
+
+    logprobs_fwd               token_logprobs forward                           (no grad)
+    logprobs_entropy_fwd       token_logprobs + entropy forward                 (no grad)
+    logprobs_fwd_bwd           token_logprobs forward + backward to the logits
+    logprobs_entropy_fwd_bwd   token_logprobs + entropy forward + backward
+    dapo_kl_fwd_bwd            DAPO loss with a k3 KL term (kl_coef = 1e-3), forward + backward
+    gspo_fwd_bwd               GSPO loss (sequence-level ratio), forward + backward
+
+Implementations (each timed on the same inputs in one process):
+
+    rlkernel       ``rlkernel.token_logprobs`` / ``rlkernel.fused_policy_loss(PolicyLossConfig.preset(...))``
+    torch          plain PyTorch: ``log_softmax(logits.float() / T).gather(...)``, entropy from the same
+                   log-softmax, the RL algebra written out (``plain_policy_loss``)
+    torch.compile  the same plain function, ``torch.compile(dynamic=False)``, compiled on the first
+                   (untimed) call of each workload, after ``torch._dynamo.reset()``
+    liger          Liger-Kernel where it has the op: ``GrpoLossFunction`` for DAPO (``loss_type="dapo"``,
+                   token-level ratio) and GSPO (``loss_type="grpo"``, ``importance_sampling_level=
+                   "sequence"``); ``fused_selective_log_softmax`` (forward only, no grad) for
+                   ``logprobs_fwd``. Liger takes causal-LM logits ``[B, T+1, V]`` and drops the last
+                   position itself, so it gets its own contiguous ``[B, T+1, V]`` copy whose first T
+                   positions equal everyone else's logits; ``inplace=False`` (the gradient is a new
+                   tensor, as for the others) and advantages ``[B]``. Liger has no dual clip (rlkernel's
+                   DAPO preset has c = 10) and no k3 clamps; neither binds on these inputs (|log r| is
+                   ~0.1), which the cross-check columns confirm.
+
+The loss objectives are rlkernel's presets (``dapo`` with ``kl_coef=1e-3, kl_estimator="k3"``, ``gspo``);
+the plain baseline reads its clip bounds, KL coefficient, dual clip and aggregation from the same
+config object (:func:`spec_from_config`), and the tests check it against ``rlkernel.policy_loss``.
+
+Inputs: bf16 logits ``2·randn`` (never zeros), uniform random token ids; the losses see ``[B, T]``
+sequences of T = 1024 tokens (B = N / 1024) with ~10 % right padding in the mask (lengths uniform
+in [0.8 T, T]), per-sequence advantages ``randn`` broadcast to tokens, and old/ref log-probs equal
+to the true log-probs plus 0.1·randn (a few % of the tokens clip at DAPO's 0.2/0.28). Temperature
+0.9 (not 1, so every implementation's temperature path is exercised and cross-checked).
+
+Bytes the math must move (E = 2 bytes per bf16 logit; the per-token terms are < 0.02 % of the total):
+
+    fwd        N·V·E                 read the logits once
+               + N·(8 + 4·k)         ids in, k = 1 (logp) or 2 (+ entropy) fp32 outputs out
+    fwd+bwd    3·N·V·E               read the logits in forward; read them again and write the
+                                     bf16 gradient in backward
+               + 2·N·(8 + 4·k)       (log-probs: ids and outputs / upstream gradients)
+               + 2·N·(8+4+4+4+1)     (DAPO: ids, old_logp, ref_logp, advantages, mask, read twice)
+               + 2·N·(8+4+4+1)       (GSPO: the same without ref_logp)
+
+The ``ceiling`` row is that many bytes at the device-to-device copy bandwidth measured in the same
+run. A kernel that computes the gradient during the forward pass (possible when the upstream
+gradient of a scalar loss is known) needs only 2 passes, so a fraction of the copy ceiling above
+1.0 would be legitimate for the loss workloads; the 3-pass model is the one an autograd op with a
+separate backward cannot beat.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlkernel.bench.harness import BenchError, CallResult, Options, Prepared, Skip, Suite, Workload, select
+
+IMPLS = ("rlkernel", "torch", "torch.compile", "liger")
+TEMPERATURE = 0.9
+KL_COEF = 1e-3
+SEQ_LEN = 1024
+SMOKE_SEQ_LEN = 16
+LOGP_NOISE = 0.1
+SEED = 1234
+
+N_FULL, N_QUICK, N_SMOKE = (4096, 8192, 16384), (8192,), (64,)
+V_FULL, V_SMOKE = (32768, 151936), (100,)
+
+
+@dataclass(frozen=True)
+class Kind:
+    pass_: str
+    entropy: bool = False
+    loss: str | None = None  # a key of LOSSES
+
+
+KINDS: dict[str, Kind] = {
+    "logprobs_fwd": Kind("fwd"),
+    "logprobs_entropy_fwd": Kind("fwd", entropy=True),
+    "logprobs_fwd_bwd": Kind("fwd+bwd"),
+    "logprobs_entropy_fwd_bwd": Kind("fwd+bwd", entropy=True),
+    "dapo_kl_fwd_bwd": Kind("fwd+bwd", loss="dapo"),
+    "gspo_fwd_bwd": Kind("fwd+bwd", loss="gspo"),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The plain-PyTorch baselines (also compiled by torch.compile)
+# --------------------------------------------------------------------------------------------------
+
+
+def torch_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, entropy: bool):
+    """The code most RL trainers run: fp32 log-softmax of the whole ``[..., V]``, then a gather."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logp
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The subset of ``PolicyLossConfig`` the plain baseline implements."""
+
+    loss_type: str  # "ppo" (token-level ratio) | "gspo" (sequence-level ratio)
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    aggregation: str  # "token-mean" | "seq-mean-token-mean"
+    dual_clip: float | None = None  # ppo only
+    delta: float | None = None  # ppo only
+
+
+def _surrogate(ratio, adv, spec: LossSpec):
+    unclipped = ratio if spec.delta is None else ratio.clamp(max=spec.delta)
+    loss = torch.maximum(-adv * unclipped, -adv * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high))
+    if spec.dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -spec.dual_clip * adv), loss)
+    return loss
+
+
+def plain_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    spec: LossSpec,
+    ref_logp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The RL algebra on ``[B, T]`` written plainly, the way verl writes it (its guards included).
+
+    ``ppo``: r = exp(clamp(logp − old_logp, ±20)), ℓ = max(−A·min(r, δ), −A·clip(r, 1−clip_low,
+    1+clip_high)), then ℓ = min(ℓ, −c·A) where A < 0 (dual clip c). ``gspo``: s_i = exp(min(masked
+    mean of logp − old_logp, 10)), A_i = masked mean of A, the same clipped surrogate on s_i, broadcast
+    to the sequence's tokens. KL: k3 with verl's clamps (−d to ±20, value to ±10). Aggregation
+    ``token-mean`` or ``seq-mean-token-mean`` over active tokens / non-empty sequences.
+    """
+    m = mask.to(logp.dtype)
+    if spec.loss_type == "ppo":
+        ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
+        per_tok = _surrogate(ratio, advantages, spec)
+    elif spec.loss_type == "gspo":
+        n = m.sum(-1).clamp(min=1.0)
+        s = torch.exp((((logp - old_logp) * m).sum(-1) / n).clamp(max=10.0))
+        a = (advantages * m).sum(-1) / n
+        per_tok = _surrogate(s, a, spec).unsqueeze(-1).expand_as(logp)
+    else:
+        raise ValueError(f"plain_policy_loss implements loss_type 'ppo' and 'gspo', got {spec.loss_type!r}")
+    if spec.kl_coef:
+        neg = (ref_logp - logp).clamp(-20.0, 20.0)
+        per_tok = per_tok + spec.kl_coef * (torch.expm1(neg) - neg).clamp(-10.0, 10.0)
+    if spec.aggregation == "token-mean":
+        return (per_tok * m).sum() / m.sum().clamp(min=1.0)
+    if spec.aggregation == "seq-mean-token-mean":
+        n = m.sum(-1)
+        per_seq = (per_tok * m).sum(-1) / n.clamp(min=1.0)
+        has = (n > 0).to(logp.dtype)
+        return (per_seq * has).sum() / has.sum().clamp(min=1.0)
+    raise ValueError(
+        f"plain_policy_loss implements token-mean and seq-mean-token-mean, got {spec.aggregation!r}"
+    )
+
+
+def torch_policy_loss_from_logits(logits, token_ids, old_logp, ref_logp, advantages, mask, spec, temperature):
+    logp = torch_token_logprobs(logits, token_ids, temperature, False)
+    return plain_policy_loss(logp, old_logp, advantages, mask, spec, ref_logp)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss configurations: rlkernel's presets, mirrored by the plain baseline and Liger
+# --------------------------------------------------------------------------------------------------
+
+# preset name and the bench's overrides (DAPO gets a k3 KL term so that the KL path is timed too).
+LOSSES: dict[str, tuple[str, dict[str, Any]]] = {
+    "dapo": ("dapo", {"kl_coef": KL_COEF, "kl_estimator": "k3"}),
+    "gspo": ("gspo", {}),
+}
+
+
+def loss_config(name: str) -> Any:
+    """``rlkernel.PolicyLossConfig.preset(...)`` with the bench's overrides."""
+    import rlkernel as rk
+
+    preset, overrides = LOSSES[name]
+    return rk.PolicyLossConfig.preset(preset, **overrides)
+
+
+def spec_from_config(cfg: Any) -> LossSpec:
+    """The ``LossSpec`` equal to ``cfg``; ValueError if ``cfg`` uses a feature the baseline lacks."""
+    get = functools.partial(getattr, cfg)
+    unsupported = {
+        "rollout_correction": get("rollout_correction", None),
+        "entropy_coef": get("entropy_coef", 0.0) or None,
+    }
+    used = [k for k, v in unsupported.items() if v is not None]
+    if used:
+        raise ValueError(f"the plain baseline does not implement {', '.join(used)}")
+    kl_coef = float(get("kl_coef", 0.0) or 0.0)
+    if kl_coef and get("kl_estimator", "k3") not in ("k3", "low_var_kl"):
+        raise ValueError(f"the plain baseline implements the k3 KL only, got {get('kl_estimator')!r}")
+    return LossSpec(
+        loss_type=cfg.loss_type,
+        clip_low=float(cfg.clip_low),
+        clip_high=float(cfg.clip_high),
+        kl_coef=kl_coef,
+        aggregation=cfg.aggregation,
+        dual_clip=get("dual_clip", None),
+        delta=get("delta", None),
+    )
+
+
+def resolve_loss(name: str) -> tuple[Any, LossSpec]:
+    """The rlkernel config and the equal ``LossSpec`` every other implementation runs.
+
+    Raises ValueError when the preset uses a feature the plain baseline lacks: the workload then
+    fails loudly (error rows) instead of comparing two different objectives.
+    """
+    cfg = loss_config(name)
+    return cfg, spec_from_config(cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Liger-Kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _liger_module() -> tuple[Any, str]:
+    try:
+        from liger_kernel.ops import grpo_loss
+    except Exception as exc:  # noqa: BLE001 - any import failure means "skip Liger"
+        return None, f"liger_kernel not importable ({type(exc).__name__}: {exc})"
+    return grpo_loss, ""
+
+
+def _liger(device: torch.device) -> tuple[Any, str]:
+    from rlkernel._dispatch import interpreter_enabled
+
+    # On CPU, Liger's kernels run only in the Triton interpreter (slow; used to check the bench's
+    # Liger configuration on machines without a GPU).
+    if device.type != "cuda" and not interpreter_enabled():
+        return None, "Liger's Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+    return _liger_module()
+
+
+def liger_grpo_args(fn_cls: Any, **kwargs: Any) -> list[Any]:
+    """Positional arguments for ``GrpoLossFunction.apply`` (its forward takes no keywords).
+
+    Bound by name against the installed version's ``forward`` signature, so a renamed or missing
+    parameter fails loudly instead of shifting every later argument.
+    """
+    params = list(inspect.signature(fn_cls.forward).parameters.values())[1:]  # drop ctx
+    names = {p.name for p in params}
+    missing = sorted(set(kwargs) - names)
+    if missing:
+        raise ValueError(f"this liger-kernel's GrpoLossFunction has no parameter(s) {missing}")
+    args = []
+    for p in params:
+        if p.name in kwargs:
+            args.append(kwargs[p.name])
+        elif p.default is inspect.Parameter.empty:
+            raise ValueError(f"GrpoLossFunction parameter {p.name!r} has no default and no value")
+        else:
+            args.append(p.default)
+    return args
+
+
+LIGER_TENSOR_ARGS = ("logits", "old_logp", "ref_logp", "completion_ids", "advantages", "completion_mask")
+
+
+def liger_loss_kwargs(spec: LossSpec) -> dict[str, Any]:
+    """Liger's configuration of the same loss as ``spec`` (ValueError where it has none)."""
+    if spec.loss_type == "ppo" and spec.aggregation == "token-mean":
+        loss_type, level = "dapo", "token"  # Σ mℓ / Σ m: token-mean
+    elif spec.loss_type == "gspo" and spec.aggregation == "seq-mean-token-mean":
+        loss_type, level = "grpo", "sequence"  # mean over sequences of the token mean
+    else:
+        raise ValueError(f"no Liger equivalent for {spec}")
+    kwargs = {
+        "temperature": TEMPERATURE,
+        "beta": spec.kl_coef,
+        "eps_low": spec.clip_low,
+        "eps_high": spec.clip_high,
+        "inplace": False,
+        "loss_type": loss_type,
+        "reduce": True,
+        "importance_sampling_level": level,
+    }
+    if spec.delta is not None:
+        kwargs["delta"] = spec.delta
+    return kwargs
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _seq_len(n: int, smoke: bool) -> int:
+    t = SMOKE_SEQ_LEN if smoke else SEQ_LEN
+    return t if n % t == 0 else n
+
+
+def _randn(shape, device, gen, dtype=torch.float32, scale=1.0) -> torch.Tensor:
+    # Drawn in the target dtype: no fp32 temporary of the size of the logits.
+    return torch.randn(shape, device=device, generator=gen, dtype=dtype).mul_(scale)
+
+
+@torch.no_grad()
+def _true_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    flat, fids = logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)
+    out = torch.empty(fids.shape, device=logits.device, dtype=torch.float32)
+    for s in range(0, flat.shape[0], 1024):
+        out[s : s + 1024] = torch_token_logprobs(flat[s : s + 1024], fids[s : s + 1024], TEMPERATURE, False)
+    return out.reshape(ids.shape)
+
+
+def make_inputs(kind: Kind, n: int, v: int, device: torch.device, *, seq_len: int, seed: int) -> dict:
+    """One set of inputs; loss workloads are ``[B, T]`` with B·T = n, log-prob workloads flat ``[n]``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b = n // seq_len
+    lead = (n,) if kind.loss is None else (b, seq_len)
+    x = _randn((*lead, v), device, gen, torch.bfloat16, scale=2.0)
+    ids = torch.randint(0, v, lead, device=device, generator=gen)
+    inp: dict[str, Any] = {"logits": x, "ids": ids, "b": b, "t": seq_len}
+    if kind.loss is None:
+        if kind.pass_ == "fwd+bwd":
+            inp["grad_out"] = tuple(_randn((n,), device, gen) for _ in range(1 + kind.entropy))
+        return inp
+    lengths = torch.randint(int(math.ceil(0.8 * seq_len)), seq_len + 1, (b,), device=device, generator=gen)
+    inp["mask"] = torch.arange(seq_len, device=device)[None, :] < lengths[:, None]
+    true = _true_logp(x, ids)
+    inp["old_logp"] = true + _randn(lead, device, gen, scale=LOGP_NOISE)
+    inp["ref_logp"] = true + _randn(lead, device, gen, scale=LOGP_NOISE)
+    inp["adv_seq"] = _randn((b,), device, gen)
+    inp["advantages"] = inp["adv_seq"][:, None].expand(b, seq_len).contiguous()
+    return inp
+
+
+def _liger_logits(x: torch.Tensor, b: int, t: int, gen_seed: int) -> torch.Tensor:
+    """``[B, T+1, V]`` contiguous, first T positions = ``x`` (viewed as ``[B, T, V]``), last random."""
+    v = x.shape[-1]
+    ext = torch.empty(b, t + 1, v, device=x.device, dtype=x.dtype)
+    ext[:, :t].copy_(x.reshape(b, t, v))
+    gen = torch.Generator(device=x.device).manual_seed(gen_seed)
+    ext[:, t].copy_(_randn((b, v), x.device, gen, x.dtype, scale=2.0))
+    return ext
+
+
+def bytes_moved(kind: Kind, n: int, v: int) -> int:
+    """The minimal traffic of one call, as documented in the module docstring."""
+    logits = n * v * 2
+    if kind.loss is None:
+        per_tok = 8 + 4 * (1 + kind.entropy)
+        return logits + n * per_tok if kind.pass_ == "fwd" else 3 * logits + 2 * n * per_tok
+    per_tok = 8 + 4 + 4 + 1 + (4 if LOSSES[kind.loss][1].get("kl_coef") else 0)
+    return 3 * logits + 2 * n * per_tok
+
+
+# --------------------------------------------------------------------------------------------------
+# Binding implementations to inputs
+# --------------------------------------------------------------------------------------------------
+
+
+def _logprob_calls(kind: Kind, inputs: list[dict], impls: tuple[str, ...], opts: Options, notes: dict):
+    import rlkernel as rk
+
+    ent, device = kind.entropy, opts.device
+    fns: dict[str, Callable | Skip] = {}
+    if "rlkernel" in impls:
+        fns["rlkernel"] = lambda x, ids: rk.token_logprobs(
+            x, ids, temperature=TEMPERATURE, return_entropy=ent
+        )
+    plain = functools.partial(torch_token_logprobs, temperature=TEMPERATURE, entropy=ent)
+    if "torch" in impls:
+        fns["torch"] = plain
+    if "torch.compile" in impls:
+        torch._dynamo.reset()
+        fns["torch.compile"] = torch.compile(plain, dynamic=False, backend=opts.compile_backend)
+        notes["torch.compile"] = f"backend={opts.compile_backend}, dynamic=False"
+    calls: dict[str, Any] = {}
+    for impl, fn in fns.items():
+        if kind.pass_ == "fwd":
+            calls[impl] = _fwd_call(fn, inputs, ent)
+        else:
+            calls[impl] = _fwd_bwd_call(fn, inputs, ent)
+    if "liger" in impls:
+        mod, why = _liger(device)
+        if mod is None:
+            calls["liger"] = Skip(why)
+        else:
+            for inp in inputs:
+                inp["liger_logits"] = _liger_logits(inp["logits"], inp["b"], inp["t"], SEED + 7)
+                inp["liger_ids"] = inp["ids"].reshape(inp["b"], inp["t"])
+
+            def liger_fwd(i: int) -> CallResult:
+                inp = inputs[i % len(inputs)]
+                out = mod.fused_selective_log_softmax(inp["liger_logits"], inp["liger_ids"], TEMPERATURE)
+                return CallResult((out.reshape(-1),))
+
+            calls["liger"] = liger_fwd
+            notes["liger"] = "fused_selective_log_softmax on [B, T+1, V] (forward only, no grad)"
+    return calls
+
+
+def _fwd_call(fn: Callable, inputs: list[dict], ent: bool) -> Callable[[int], CallResult]:
+    def call(i: int) -> CallResult:
+        inp = inputs[i % len(inputs)]
+        with torch.no_grad():
+            out = fn(inp["logits"], inp["ids"])
+        return CallResult(tuple(out) if ent else (out,))
+
+    return call
+
+
+def _fwd_bwd_call(fn: Callable, inputs: list[dict], ent: bool) -> Callable[[int], CallResult]:
+    def call(i: int) -> CallResult:
+        inp = inputs[i % len(inputs)]
+        out = fn(inp["logits"], inp["ids"])
+        outs = tuple(out) if ent else (out,)
+        (grad,) = torch.autograd.grad(outs, (inp["logits"],), inp["grad_out"])
+        return CallResult(tuple(o.detach() for o in outs), (grad,))
+
+    return call
+
+
+def _loss_calls(kind: Kind, inputs: list[dict], impls: tuple[str, ...], opts: Options, notes: dict):
+    cfg, spec = resolve_loss(kind.loss)
+    use_ref = bool(spec.kl_coef)
+    calls: dict[str, Any] = {}
+
+    def bind(loss_fn: Callable, logits_key: str = "logits", grad_view: Callable | None = None):
+        def call(i: int) -> CallResult:
+            inp = inputs[i % len(inputs)]
+            loss = loss_fn(inp)
+            (grad,) = torch.autograd.grad(loss, (inp[logits_key],))
+            return CallResult((loss.detach(),), (grad_view(grad, inp) if grad_view else grad,))
+
+        return call
+
+    if "rlkernel" in impls:
+        import rlkernel as rk
+
+        calls["rlkernel"] = bind(
+            lambda inp: (
+                rk.fused_policy_loss(
+                    cfg,
+                    token_ids=inp["ids"],
+                    old_logp=inp["old_logp"],
+                    advantages=inp["advantages"],
+                    mask=inp["mask"],
+                    logits=inp["logits"],
+                    temperature=TEMPERATURE,
+                    ref_logp=inp["ref_logp"] if use_ref else None,
+                ).loss
+            )
+        )
+        notes["rlkernel"] = f"fused_policy_loss(PolicyLossConfig.preset({LOSSES[kind.loss][0]!r}, ...))"
+
+    def plain(x, ids, old, ref, adv, mask):
+        return torch_policy_loss_from_logits(x, ids, old, ref, adv, mask, spec, TEMPERATURE)
+
+    def args(inp):
+        return (
+            inp["ids"],
+            inp["old_logp"],
+            inp["ref_logp"] if use_ref else None,
+            inp["advantages"],
+            inp["mask"],
+        )
+
+    if "torch" in impls:
+        calls["torch"] = bind(lambda inp: plain(inp["logits"], *args(inp)))
+    if "torch.compile" in impls:
+        torch._dynamo.reset()
+        compiled = torch.compile(plain, dynamic=False, backend=opts.compile_backend)
+        calls["torch.compile"] = bind(lambda inp: compiled(inp["logits"], *args(inp)))
+        notes["torch.compile"] = f"backend={opts.compile_backend}, dynamic=False"
+    if "liger" in impls:
+        mod, why = _liger(opts.device)
+        try:
+            liger_kwargs = liger_loss_kwargs(spec)
+            if mod is not None:  # fail here, not in every call, if this Liger lacks a parameter
+                liger_grpo_args(mod.GrpoLossFunction, **dict.fromkeys(LIGER_TENSOR_ARGS), **liger_kwargs)
+        except ValueError as exc:
+            mod, why = None, str(exc)
+        if mod is None:
+            calls["liger"] = Skip(why)
+        else:
+            for inp in inputs:
+                ext = _liger_logits(inp["logits"].detach(), inp["b"], inp["t"], SEED + 7).requires_grad_(True)
+                inp["liger_logits"] = ext
+                inp["liger_args"] = liger_grpo_args(
+                    mod.GrpoLossFunction,
+                    logits=ext,
+                    old_logp=inp["old_logp"],
+                    ref_logp=inp["ref_logp"] if use_ref else None,
+                    completion_ids=inp["ids"],
+                    advantages=inp["adv_seq"],
+                    completion_mask=inp["mask"].to(torch.int32),
+                    **liger_kwargs,
+                )
+
+            def liger_loss(inp):
+                return mod.GrpoLossFunction.apply(*inp["liger_args"])[0]  # (loss, kl_mean, clip_ratio)
+
+            calls["liger"] = bind(liger_loss, "liger_logits", lambda g, inp: g[:, : inp["t"]])
+            kw = liger_kwargs
+            notes["liger"] = (
+                f"GrpoLossFunction loss_type={kw['loss_type']} importance_sampling_level="
+                f"{kw['importance_sampling_level']} beta={kw['beta']:g} on [B, T+1, V], inplace=False"
+                + (f"; no dual clip (c={spec.dual_clip:g} binds only where r > c)" if spec.dual_clip else "")
+            )
+    return calls
+
+
+def _setup(kind: Kind, n: int, v: int, opts: Options):
+    def setup(device: torch.device, impls: tuple[str, ...], copies: int) -> Prepared:
+        seq_len = _seq_len(n, opts.smoke)
+        inputs = [make_inputs(kind, n, v, device, seq_len=seq_len, seed=SEED + c) for c in range(copies)]
+        if kind.pass_ == "fwd+bwd":
+            for inp in inputs:
+                inp["logits"].requires_grad_(True)
+        notes: dict[str, str] = {}
+        build = _logprob_calls if kind.loss is None else _loss_calls
+        calls = build(kind, inputs, impls, opts, notes)
+        if "rlkernel" in calls:
+            from rlkernel._dispatch import requested_backend
+
+            what = notes.get("rlkernel", "token_logprobs")
+            notes["rlkernel"] = f"{what}; validate=True (one host sync); backend={requested_backend()}"
+        return Prepared(calls=calls, notes=notes)
+
+    return setup
+
+
+def _impls_for(kind_name: str) -> tuple[str, ...]:
+    if kind_name.startswith("logprobs") and kind_name != "logprobs_fwd":
+        return ("rlkernel", "torch", "torch.compile")
+    return IMPLS
+
+
+def build(opts: Options) -> list[Workload]:
+    """The workloads selected by ``opts`` (kind × N × V), each with its implementations."""
+    kinds = select(opts.workloads, tuple(KINDS), "workload", "logits")
+    impls = select(opts.impls, IMPLS, "implementation", "logits")
+    ns = opts.n_tokens or (N_SMOKE if opts.smoke else N_QUICK if opts.quick else N_FULL)
+    vs = opts.vocab or (V_SMOKE if opts.smoke else V_FULL)
+    for x in (*ns, *vs):
+        if x < 1:
+            raise BenchError(f"sizes must be positive integers, got {x}")
+    out = []
+    for name in kinds:
+        kind = KINDS[name]
+        chosen = tuple(i for i in _impls_for(name) if i in impls)
+        if not chosen:
+            continue
+        for n in ns:
+            for v in vs:
+                out.append(
+                    Workload(
+                        name=name,
+                        pass_=kind.pass_,
+                        params={"n_tokens": n, "vocab": v},
+                        bytes_moved=bytes_moved(kind, n, v),
+                        flops=None,
+                        input_bytes=n * v * 2,
+                        impls=chosen,
+                        reference="torch" if "torch" in chosen else None,
+                        setup=_setup(kind, n, v, opts),
+                    )
+                )
+    return out
+
+
+SUITE = Suite(
+    name="logits",
+    description="log-probs, entropy, DAPO and GSPO losses from bf16 logits [N, V]",
+    impls=IMPLS,
+    kinds=tuple(KINDS),
+    param_columns=("n_tokens", "vocab"),
+    baseline="torch",
+    build=build,
+    bytes_doc=(
+        "fwd: N*V*2 + N*(8+4k); fwd+bwd: 3*N*V*2 (read logits in fwd, read logits + write bf16 grad in "
+        "bwd) + per-token tensors twice; ceiling = bytes / measured copy bandwidth"
+    ),
+)

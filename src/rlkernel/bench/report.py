@@ -1,0 +1,229 @@
+"""Plots and the README table, generated from result files only (never from a live run).
+
+* :func:`plot` draws ``<suite>.png``: one panel per workload kind, one group of bars per size, one
+  bar per implementation (median ms, log scale when the spread calls for it), the ``ceiling`` as a
+  black tick across its group.
+* :func:`update_readme` rewrites the block between ``<!-- bench:begin -->`` and ``<!-- bench:end -->``
+  in README.md with one table per ``benchmarks/results/<suite>.csv``; text outside the markers is
+  kept byte for byte.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+IMPL_ORDER = ("rlkernel", "torch", "torch.compile", "liger")
+COLORS = {"rlkernel": "#d62728", "torch": "#7f7f7f", "torch.compile": "#1f77b4", "liger": "#2ca02c"}
+ENV_COLUMNS = ("suite", "workload", "pass", "impl", "status")
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _num(v: object) -> float | None:
+    try:
+        return float(v) if v not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _param_columns(rows: Sequence[dict]) -> list[str]:
+    """The suite-specific columns: those between ``pass`` and ``impl`` in the CSV header."""
+    keys = list(rows[0]) if rows else []
+    if "pass" in keys and "impl" in keys:
+        return keys[keys.index("pass") + 1 : keys.index("impl")]
+    return []
+
+
+def _size_label(row: dict, params: Sequence[str], sep: str = " ") -> str:
+    short = {"n_tokens": "N", "vocab": "V"}
+    return sep.join(f"{short.get(p, p)}={row.get(p)}" for p in params)
+
+
+def _group(rows: Sequence[dict], params: Sequence[str]) -> dict[str, dict[str, dict[str, dict]]]:
+    """workload -> size label -> impl -> row, in file order."""
+    out: dict[str, dict[str, dict[str, dict]]] = {}
+    for r in rows:
+        out.setdefault(str(r["workload"]), {}).setdefault(_size_label(r, params), {})[str(r["impl"])] = r
+    return out
+
+
+def plot(rows: Sequence[dict], path: Path, *, title: str = "") -> Path:
+    """Bars of median ms per implementation per workload; returns ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    params = _param_columns(rows)
+    groups = _group(rows, params)
+    impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
+    impls += sorted({str(r["impl"]) for r in rows} - set(impls) - {"ceiling"})
+    ncols = min(2, max(1, len(groups)))
+    nrows = max(1, -(-len(groups) // ncols))
+    # Fixed margins rather than constrained layout: the same look, a fraction of the drawing time.
+    fig = Figure(figsize=(7.5 * ncols, 3.8 * nrows))
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.92, wspace=0.18, hspace=0.55)
+    FigureCanvasAgg(fig)
+    for k, (workload, sizes) in enumerate(groups.items()):
+        ax = fig.add_subplot(nrows, ncols, k + 1)
+        values = []
+        present = [i for i in impls if any(_num(s.get(i, {}).get("median_ms")) for s in sizes.values())]
+        width = 0.8 / max(1, len(present))
+        for j, impl in enumerate(present):
+            xs, ys = [], []
+            for g, by_impl in enumerate(sizes.values()):
+                ms = _num(by_impl.get(impl, {}).get("median_ms"))
+                if ms:
+                    xs.append(g - 0.4 + width * (j + 0.5))
+                    ys.append(ms)
+            values += ys
+            if xs:
+                ax.bar(xs, ys, width, label=impl, color=COLORS.get(impl))
+        for g, by_impl in enumerate(sizes.values()):
+            ms = _num(by_impl.get("ceiling", {}).get("median_ms"))
+            if ms:
+                values.append(ms)
+                ax.hlines(
+                    ms, g - 0.45, g + 0.45, colors="black", linewidth=1.5, label="ceiling" if g == 0 else None
+                )
+        pos = [v for v in values if v > 0]
+        if pos and max(pos) / min(pos) > 20:
+            ax.set_yscale("log")
+        ax.set_xticks(range(len(sizes)), [label.replace(" ", "\n") for label in sizes], fontsize=8)
+        ax.set_ylabel("median ms")
+        ax.set_title(workload, fontsize=10)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
+def _ms(x: float) -> str:
+    """3 significant digits, trailing zeros kept: 0.108, 1.00, 20.0, 123."""
+    return f"{x:.0f}" if x >= 100 else f"{x:#.3g}"
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    status = str(row.get("status", ""))
+    if status not in ("ok", "model"):
+        return status.split(":")[0] or "—"
+    ms, gb = _num(row.get("median_ms")), _num(row.get("peak_extra_gb"))
+    if ms is None:
+        return "—"
+    text = f"{_ms(ms)} ms"
+    if gb is None or row.get("impl") == "ceiling":
+        return text
+    return text + (f", {gb:.1f} GB" if gb >= 10 else f", {gb:.2f} GB")
+
+
+def suite_table(rows: Sequence[dict]) -> str:
+    """A markdown table for one suite's rows (with the environment line above it)."""
+    if not rows:
+        return ""
+    params = _param_columns(rows)
+    first = rows[0]
+    impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
+    impls += sorted({str(r["impl"]) for r in rows} - set(impls) - {"ceiling"})
+    head = ["workload", *params, *impls, "ceiling", "rlkernel vs torch", "rlkernel % of copy BW"]
+    warn = " **CPU smoke run: not a performance measurement.**" if first.get("device") == "cpu" else ""
+    lines = [
+        f"**{first.get('suite')}** on {first.get('gpu')}: torch {first.get('torch')}, triton "
+        f"{first.get('triton') or '—'}, liger-kernel {first.get('liger') or '—'}, {first.get('date_utc')}, "
+        f"commit `{first.get('commit')}`. Ceilings measured in the same run: copy "
+        f"{_num(first.get('ceiling_copy_tbps')) or 0:.2f} TB/s, bf16 GEMM "
+        f"{_num(first.get('ceiling_gemm_tflops')) or 0:.0f} TFLOP/s. Cells: median ms, peak extra memory."
+        + warn,
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for workload, sizes in _group(rows, params).items():
+        for by_impl in sizes.values():
+            any_row = next(iter(by_impl.values()))
+            rk = by_impl.get("rlkernel", {})
+            speed, frac = _num(rk.get("speedup_vs_baseline")), _num(rk.get("frac_copy_bw"))
+            cells = [
+                f"{workload} ({any_row.get('pass')})",
+                *(str(any_row.get(p, "")) for p in params),
+                *(_cell(by_impl.get(i)) for i in impls),
+                _cell(by_impl.get("ceiling")),
+                f"{speed:.2f}×" if speed else "—",
+                f"{100 * frac:.0f}%" if frac is not None else "—",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def readme_block(results_dir: Path) -> str:
+    """The generated text for between the markers: one table per ``<suite>.csv``."""
+    paths = sorted(Path(results_dir).glob("*.csv"))
+    if not paths:
+        raise FileNotFoundError(f"no benchmark CSVs under {results_dir}")
+    tables = [suite_table(read_csv(p)) for p in paths]
+    note = (
+        f"<!-- generated by `rlkernel bench --readme` from {Path(results_dir).as_posix()}/*.csv; "
+        "do not edit by hand -->"
+    )
+    return "\n\n".join([note, *(t for t in tables if t)])
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with everything between the markers replaced by ``block``; ValueError if no markers."""
+    b, e = text.find(BEGIN), text.find(END)
+    if b < 0 or e < 0 or e < b:
+        raise ValueError(f"README has no {BEGIN} ... {END} block to rewrite")
+    return text[: b + len(BEGIN)] + "\n" + block.strip("\n") + "\n" + text[e:]
+
+
+def update_readme(readme: Path, results_dir: Path) -> bool:
+    """Rewrite the marked block of ``readme`` from ``results_dir``; True if the file changed."""
+    readme = Path(readme)
+    if not readme.exists():
+        raise FileNotFoundError(f"{readme} does not exist")
+    old = readme.read_text()
+    new = replace_block(old, readme_block(results_dir))
+    if new != old:
+        readme.write_text(new)
+    return new != old
+
+
+def _fmt(v: Any, spec: str, suffix: str = "") -> str:
+    return "" if v is None else f"{v:{spec}}{suffix}"
+
+
+def format_table(rows: list[dict], param_columns: Sequence[str], baseline: str = "torch") -> str:
+    """The compact table printed at the end of a run (one line per row, a blank line per workload)."""
+    head = ["workload", *param_columns, "impl", "ms", "peak GB", "TB/s", "%copy", f"vs {baseline}", "status"]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                str(r["workload"]),
+                *(str(r.get(c, "")) for c in param_columns),
+                str(r["impl"]),
+                _fmt(r.get("median_ms"), ".3f"),
+                _fmt(r.get("peak_extra_gb"), ".2f"),
+                _fmt(r.get("tbps"), ".2f"),
+                _fmt(None if r.get("frac_copy_bw") is None else 100 * r["frac_copy_bw"], ".0f", "%"),
+                _fmt(r.get("speedup_vs_baseline"), ".2f", "x"),
+                "" if r["status"] in ("ok", "model") else str(r["status"])[:60],
+            ]
+        )
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
+    prev = None
+    for r, cells in zip(rows, body, strict=True):
+        key = (r["workload"], *(r.get(c) for c in param_columns))
+        if prev is not None and key != prev:
+            lines.append("")
+        prev = key
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""The benchmark harness end to end on CPU (``--smoke``), the README generator, the CLI's errors, and
+the plain-PyTorch baselines against ``rlkernel.policy_loss`` (so every comparison is apples to apples).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+import rlkernel as rk
+from rlkernel.bench import SUITES, BenchError, cli, get_suite, harness, report
+from rlkernel.bench import logits as bl
+
+SUITE = SUITES["logits"]
+APPLICABLE = {
+    "logprobs_fwd": ("rlkernel", "torch", "torch.compile", "liger"),
+    "logprobs_entropy_fwd": ("rlkernel", "torch", "torch.compile"),
+    "logprobs_fwd_bwd": ("rlkernel", "torch", "torch.compile"),
+    "logprobs_entropy_fwd_bwd": ("rlkernel", "torch", "torch.compile"),
+    "dapo_kl_fwd_bwd": ("rlkernel", "torch", "torch.compile", "liger"),
+    "gspo_fwd_bwd": ("rlkernel", "torch", "torch.compile", "liger"),
+}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One CPU smoke run of the whole logits suite through the CLI, shared by the tests below."""
+    out = tmp_path_factory.mktemp("bench")
+    rc = cli.main(["logits", "--smoke", "--rounds", "1", "--out", str(out)])
+    with (out / "logits.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return rc, out, rows
+
+
+def test_smoke_writes_csv_json_png(smoke):
+    rc, out, rows = smoke
+    assert rc == 0
+    with (out / "logits.csv").open(newline="") as f:
+        assert next(csv.reader(f)) == list(harness.columns_for(SUITE))
+    data = json.loads((out / "logits.json").read_text())
+    assert data["columns"] == list(harness.columns_for(SUITE))
+    assert len(data["rows"]) == len(rows)
+    assert data["meta"]["env"]["device"] == "cpu"
+    assert data["meta"]["ceilings"]["copy_tbps"] > 0 and data["meta"]["ceilings"]["gemm_tflops"] > 0
+    assert (out / "logits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_one_row_per_workload_and_impl(smoke):
+    _, _, rows = smoke
+    keys = [(r["workload"], r["n_tokens"], r["vocab"], r["impl"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    expected = {(w, "64", "100", i) for w, impls in APPLICABLE.items() for i in (*impls, "ceiling")}
+    assert set(keys) == expected
+    for r in rows:
+        assert r["device"] == "cpu" and "smoke" in r["gpu"]
+        assert r["torch"] == torch.__version__ and r["date_utc"].endswith("Z") and r["commit"]
+        assert r["peak_extra_gb"] == ""  # no memory numbers on CPU
+        if r["impl"] == "ceiling":
+            assert r["status"] == "model"
+            ms = float(r["bytes_gb"]) * 1e9 / (float(r["ceiling_copy_tbps"]) * 1e12) * 1e3
+            assert math.isclose(float(r["median_ms"]), ms, rel_tol=1e-4)
+        elif r["impl"] == "liger":
+            assert r["status"].startswith("skipped")  # no CUDA here
+        else:
+            assert r["status"] == "ok", r
+            assert float(r["median_ms"]) > 0 and float(r["tbps"]) > 0 and int(r["samples"]) == 1
+            assert 0 < float(r["frac_copy_bw"]) and float(r["first_call_s"]) > 0
+
+
+def test_smoke_cross_checks_against_plain_torch(smoke):
+    _, _, rows = smoke
+    for r in rows:
+        if r["impl"] in ("rlkernel", "torch.compile"):
+            assert float(r["max_abs_diff"]) <= 1e-5, r
+            if r["pass"] == "fwd+bwd":
+                assert float(r["grad_rel_diff"]) <= 1e-2, r
+
+
+def test_readme_rewrites_only_the_marked_block(smoke, tmp_path):
+    _, out, _ = smoke
+    readme = tmp_path / "README.md"
+    head = "# title\n\nintro text\n\n"
+    tail = "\n\n## after\n\nmore text\n"
+    readme.write_text(f"{head}{report.BEGIN}\nold table\n{report.END}{tail}")
+    assert cli.main(["--readme", "--results", str(out), "--readme-path", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith(head + report.BEGIN + "\n") and text.endswith(report.END + tail)
+    block = text[text.index(report.BEGIN) : text.index(report.END)]
+    assert "old table" not in block
+    assert "| dapo_kl_fwd_bwd (fwd+bwd) | 64 | 100 |" in block and "CPU smoke run" in block
+    assert "| workload | n_tokens | vocab | rlkernel | torch | torch.compile | liger | ceiling |" in block
+    before = readme.read_text()
+    assert not report.update_readme(readme, out)  # idempotent
+    assert readme.read_text() == before
+
+
+def test_readme_without_markers_is_a_clear_error(smoke, tmp_path, capsys):
+    _, out, _ = smoke
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    assert cli.main(["--readme", "--results", str(out), "--readme-path", str(readme)]) == 2
+    assert "<!-- bench:begin -->" in capsys.readouterr().err
+    assert readme.read_text() == "# no markers\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["nope", "--smoke"], "unknown suite 'nope'; available suites: logits"),
+        (["logits", "--smoke", "--impl", "torch,foo"], "unknown implementation 'foo' for suite 'logits'"),
+        (["logits", "--smoke", "--workload", "ppo"], "unknown workload 'ppo' for suite 'logits'"),
+        ([], "name a suite"),
+    ],
+)
+def test_bad_names_give_clear_errors(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "unknown implementation" in message:
+        assert "rlkernel, torch, torch.compile, liger" in err
+
+
+def test_bad_sizes_are_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["logits", "--smoke", "--n", "0"])
+    assert "sizes must be positive" in capsys.readouterr().err
+
+
+def test_get_suite_and_select_raise_bench_error():
+    assert get_suite("logits") is SUITE
+    with pytest.raises(BenchError, match="available suites"):
+        get_suite("linear_typo")
+    with pytest.raises(BenchError, match="choose from"):
+        SUITE.build(harness.Options(device=torch.device("cpu"), smoke=True, impls=("tritonx",)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_without_cuda_the_full_run_points_to_smoke(capsys):
+    assert cli.main(["logits"]) == 2
+    assert "--smoke" in capsys.readouterr().err
+
+
+def test_list(capsys):
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "logits" in out and "dapo_kl_fwd_bwd" in out and "torch.compile" in out
+
+
+def test_workload_matrix_and_bytes_model():
+    opts = harness.Options(device=torch.device("cuda"))
+    full = SUITE.build(opts)
+    assert len(full) == 6 * 3 * 2
+    assert {(w.params["n_tokens"], w.params["vocab"]) for w in full} == {
+        (n, v) for n in (4096, 8192, 16384) for v in (32768, 151936)
+    }
+    quick = SUITE.build(harness.Options(device=torch.device("cuda"), quick=True))
+    assert {w.params["n_tokens"] for w in quick} == {8192}
+    n, v = 8192, 151936
+    by = {(w.name, w.params["n_tokens"], w.params["vocab"]): w for w in full}
+    assert by["logprobs_fwd", n, v].bytes_moved == n * v * 2 + n * 12
+    assert by["logprobs_entropy_fwd_bwd", n, v].bytes_moved == 3 * n * v * 2 + 2 * n * 16
+    assert by["dapo_kl_fwd_bwd", n, v].bytes_moved == 3 * n * v * 2 + 2 * n * 21
+    assert by["gspo_fwd_bwd", n, v].bytes_moved == 3 * n * v * 2 + 2 * n * 17
+    assert by["logprobs_fwd_bwd", n, v].impls == ("rlkernel", "torch", "torch.compile")
+    only = SUITE.build(harness.Options(device=torch.device("cuda"), impls=("liger",)))
+    assert {w.name for w in only} == {"logprobs_fwd", "dapo_kl_fwd_bwd", "gspo_fwd_bwd"}
+
+
+def test_harness_helpers():
+    assert harness.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert harness.quantile([1.0, 2.0], 0.2) == pytest.approx(1.2)
+    assert harness.input_copies(10 * 2**30, 50 * 2**20) == 1  # larger than L2: reuse
+    assert harness.input_copies(10 * 2**20, 50 * 2**20) == 16  # fits: rotate through 4x L2
+    assert harness.input_copies(10, 0) == 1  # CPU
+
+
+def _policy_inputs(seed: int, b: int = 6, t: int = 20, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g, dtype=dtype) * 5
+    old = logp + 0.3 * torch.randn(b, t, generator=g, dtype=dtype)
+    old[0, :3] = logp[0, :3] - 3.0  # r = e^3 ≈ 20 > dual clip 10 with A < 0: the dual clip binds
+    ref = logp + 0.5 * torch.randn(b, t, generator=g, dtype=dtype)
+    adv = torch.randn(b, generator=g, dtype=dtype)
+    adv[0] = -1.0
+    lengths = torch.tensor([t, t - 3, 1, t - 7, 0, t][:b])
+    mask = torch.arange(t)[None, :] < lengths[:, None]  # includes an empty sequence
+    return logp.requires_grad_(True), old, ref, adv[:, None].expand(b, t).contiguous(), mask
+
+
+@pytest.mark.parametrize("name", ["dapo", "gspo"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plain_baseline_matches_rlkernel_policy_loss(name, seed):
+    cfg = bl.loss_config(name)
+    spec = bl.spec_from_config(cfg)
+    assert spec.loss_type == {"dapo": "ppo", "gspo": "gspo"}[name]
+    if name == "dapo":
+        assert spec.kl_coef == bl.KL_COEF
+    logp, old, ref, adv, mask = _policy_inputs(seed)
+    ours = bl.plain_policy_loss(logp, old, adv, mask, spec, ref)
+    theirs = rk.policy_loss(logp, old, adv, mask, cfg, ref_logp=ref if spec.kl_coef else None).loss
+    (g_ours,) = torch.autograd.grad(ours, logp)
+    (g_theirs,) = torch.autograd.grad(theirs, logp)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_ours, g_theirs.to(g_ours.dtype), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind_name", ["dapo_kl_fwd_bwd", "gspo_fwd_bwd"])
+def test_plain_loss_from_logits_matches_fused_policy_loss(kind_name):
+    kind = bl.KINDS[kind_name]
+    cfg, spec = bl.resolve_loss(kind.loss)
+    inp = bl.make_inputs(kind, 64, 50, torch.device("cpu"), seq_len=16, seed=3)
+    x = inp["logits"].float().requires_grad_(True)
+    ref = inp["ref_logp"] if spec.kl_coef else None
+    args = (inp["ids"], inp["old_logp"], ref, inp["advantages"], inp["mask"])
+    plain = bl.torch_policy_loss_from_logits(x, *args, spec, bl.TEMPERATURE)
+    fused = rk.fused_policy_loss(
+        cfg,
+        token_ids=inp["ids"],
+        old_logp=inp["old_logp"],
+        advantages=inp["advantages"],
+        mask=inp["mask"],
+        logits=x,
+        temperature=bl.TEMPERATURE,
+        ref_logp=ref,
+    ).loss
+    torch.testing.assert_close(plain, fused, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(plain, x)[0], torch.autograd.grad(fused, x)[0])
+
+
+def test_liger_configuration_binds_by_name():
+    class FakeGrpo:  # the parameter list of liger-kernel 0.8.5's GrpoLossFunction.forward
+        @staticmethod
+        def forward(
+            ctx, logits, old_logp, ref_logp, completion_ids, advantages, completion_mask, temperature, beta,
+            eps_low, eps_high, inplace, loss_type="grpo", max_completion_length=None, reduce=True,
+            importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+            vllm_is_ratio=None, delta=None, use_bias_correction_kl=False, num_items_in_batch=None,
+            phi_seq=None,
+        ):  # fmt: skip
+            raise AssertionError
+
+    dapo = bl.liger_loss_kwargs(bl.LossSpec("ppo", 0.2, 0.28, 1e-3, "token-mean", dual_clip=10.0))
+    tensors = {k: k.upper() for k in bl.LIGER_TENSOR_ARGS}
+    args = bl.liger_grpo_args(FakeGrpo, **tensors, **dapo)
+    assert args[:6] == ["LOGITS", "OLD_LOGP", "REF_LOGP", "COMPLETION_IDS", "ADVANTAGES", "COMPLETION_MASK"]
+    assert args[6:15] == [bl.TEMPERATURE, 1e-3, 0.2, 0.28, False, "dapo", None, True, "token"]
+    gspo = bl.liger_loss_kwargs(bl.LossSpec("gspo", 3e-4, 4e-4, 0.0, "seq-mean-token-mean"))
+    assert (gspo["loss_type"], gspo["importance_sampling_level"], gspo["beta"]) == ("grpo", "sequence", 0.0)
+
+    class OldGrpo:
+        @staticmethod
+        def forward(ctx, logits, old_logp, ref_logp, completion_ids, advantages, completion_mask, temperature,
+                    beta, eps_low, eps_high, inplace):  # fmt: skip
+            raise AssertionError
+
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        bl.liger_grpo_args(OldGrpo, **tensors, **gspo)
+
+
+def test_harness_runs_any_suite_and_records_failures(tmp_path):
+    """A toy suite through the generic harness: the plug-in interface later suites use."""
+    x = torch.randn(8, 8)
+
+    def setup(device, impls, copies):
+        def good(i):
+            return harness.CallResult((x.sum(),))
+
+        def close(i):
+            return harness.CallResult((x.sum() + 1e-3,))
+
+        def bad(i):
+            raise RuntimeError("boom")
+
+        return harness.Prepared({"good": good, "close": close, "bad": bad, "skip": harness.Skip("n/a")})
+
+    impls = ("good", "close", "bad", "skip")
+    workload = harness.Workload("toy", "fwd", {"n": 8}, 512, 10**6, 256, impls, "good", setup)
+    suite = harness.Suite("toy", "a toy", impls, ("toy",), ("n",), "good", lambda opts: [workload])
+    opts = harness.Options(device=torch.device("cpu"), smoke=True, warmup=0, rounds=2, reps=2)
+    rows, meta = harness.run_suite(suite, opts, log=lambda line: None)
+    by = {r["impl"]: r for r in rows}
+    assert list(by) == [*impls, "ceiling"]
+    assert by["good"]["status"] == "ok" and by["good"]["samples"] == 4
+    assert by["close"]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    assert by["bad"]["status"] == "error: RuntimeError: boom" and by["bad"]["median_ms"] is None
+    assert by["skip"]["status"] == "skipped: n/a"
+    c = meta["ceilings"]
+    expected_s = max(512 / (c["copy_tbps"] * 1e12), 10**6 / (c["gemm_tflops"] * 1e12))
+    assert by["ceiling"]["median_ms"] == pytest.approx(expected_s * 1e3)
+    csv_path, _ = harness.write_results(suite, rows, meta, tmp_path)
+    assert csv_path.read_text().splitlines()[0].startswith("suite,workload,pass,n,impl,status,median_ms")
+    table = report.format_table(rows, suite.param_columns)
+    assert "error: RuntimeError: boom" in table and "skipped: n/a" in table
