@@ -117,7 +117,9 @@ def fused_policy_loss(
             None,
         )
     want_entropy = cfg.entropy_coef != 0
-    options = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy, validate=False)
+    options = dict(
+        temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy, validate=False
+    )
     if logits is not None:
         out = token_logprobs(logits, ids, **options)
     else:
