@@ -17,7 +17,6 @@ kernels can land op by op without changing any public signature.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -65,14 +64,21 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=1)
+_triton_importable: bool | None = None
+
+
 def triton_available() -> bool:
-    """Whether ``import triton`` works. Cached: importing is the expensive part, not the answer."""
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """Whether ``import triton`` works. Cached in a module global (not ``lru_cache``, which
+    ``torch.compile`` warns about when it traces through the dispatch)."""
+    global _triton_importable
+    if _triton_importable is None:
+        try:
+            import triton  # noqa: F401
+
+            _triton_importable = True
+        except Exception:
+            _triton_importable = False
+    return _triton_importable
 
 
 def _kernel_can_run_on(device: torch.device) -> bool:

@@ -118,7 +118,7 @@ def test_forward_error_at_most_twice_the_reference_error():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_vocab_larger_than_one_block(dtype, with_entropy):
-    vocab = 9000  # not a power of two; 3 forward tiles in fp32 (4096), 2 in bf16 (8192)
+    vocab = 9000  # not a power of two; 5 forward tiles of 2048
     assert kernels().fwd_config(vocab, dtype).block_v < vocab
     logits, ids = make(lead=(3,), vocab=vocab, dtype=dtype, seed=7, ignore=(2,))
     logits[0, 8500] = 25.0  # the row max sits in the last, partial tile
@@ -331,9 +331,19 @@ def test_config_depends_only_on_vocab_and_dtype():
     for dtype in DTYPES:
         for vocab in (1, 37, 32768, 151936):
             cfg = k.fwd_config(vocab, dtype)
-            assert cfg.block_v & (cfg.block_v - 1) == 0 and cfg.block_v * dtype.itemsize <= k.FWD_TILE_BYTES
+            assert cfg.block_v & (cfg.block_v - 1) == 0 and cfg.block_v <= k.FWD_BLOCK_V
+            # the forward tile (which fixes the bits) is the same with and without entropy
+            assert k.fwd_config(vocab, dtype, with_entropy=True).block_v == cfg.block_v
             assert k.bwd_config(vocab, dtype).block_v * dtype.itemsize <= k.BWD_TILE_BYTES
-    assert k.fwd_config(151936, torch.bfloat16).block_v == 8192
+    assert k.fwd_config(151936, torch.bfloat16).block_v == 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logp_bits_do_not_depend_on_entropy_request(dtype):
+    logits, ids = make(lead=(4,), vocab=5000, dtype=dtype, seed=11)
+    alone = rk.token_logprobs(logits, ids, temperature=0.9)
+    with_entropy, _ = rk.token_logprobs(logits, ids, temperature=0.9, return_entropy=True)
+    assert torch.equal(alone, with_entropy)
 
 
 # ---------------------------------------------------------------------------- special values

@@ -55,18 +55,22 @@ import triton.language as tl
 
 from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
 
-# Tile sizes, chosen for H100 HBM3 (~3.35 TB/s; ~20-25 KiB must be in flight per SM to cover the
-# latency). Forward: 16 KiB tiles (8192 bf16 / 4096 fp32 values) at 16 values per thread and 3
-# pipeline stages: ~55 registers/thread without entropy (2 CTAs of 16 warps per SM, 4 tiles = 64 KiB
-# in flight), ~100 with entropy (1 CTA, 32 KiB in flight); compiled offline for sm_90 with
-# triton 3.9, no spills. Backward: one 8 KiB tile per program at 16 values per thread, ~32-40
-# registers, so 8 CTAs (64 warps, 64 KiB of loads) fit per SM. First choices, to be confirmed on
-# the H100 (scripts/gpu_check_logprobs.py --sweep).
-FWD_TILE_BYTES = 16 * 1024
-BWD_TILE_BYTES = 8 * 1024
-VALUES_PER_THREAD = 16
-MAX_WARPS = 16
-FWD_STAGES = 3
+# Launch configuration, measured on an H100 80GB (torch 2.11, triton 3.6, 2026-11-21, sweep of
+# scripts/gpu_check_logprobs.py --sweep; bf16, N = 8192, D2D copy 3.02 TB/s):
+#   forward, V = 151,936: 2048-value tiles, 4 warps: 0.827 ms without entropy (98% of copy
+#   bandwidth; the best point, 4096/8 warps, was 0.818 ms) and 0.965 ms with entropy at 1 stage
+#   (the per-lane Σp·z accumulator doubles the registers, so deeper pipelines lose occupancy); the
+#   first guess, 8192-value tiles at 16 warps, gave 0.895 / 1.438 ms. V = 32,768: 0.191 / 0.222 ms.
+#   backward: 8192-value tiles, 4 warps: 1.743 ms at V = 151,936 (2.86 TB/s read + write).
+# The forward tile is the same with and without entropy on purpose: BLOCK_V fixes the order of the
+# per-row sums, so logp must not change its bits when the caller also asks for the entropy (a
+# rollout that skips the entropy must score tokens exactly as the trainer that wants it).
+FWD_BLOCK_V = 2048
+FWD_WARPS = 4
+FWD_STAGES = 4
+FWD_STAGES_ENTROPY = 1
+BWD_TILE_BYTES = 16 * 1024
+BWD_WARPS = 4
 _INT32_MAX = 2**31 - 1
 
 
@@ -80,21 +84,22 @@ class KernelConfig:
     num_stages: int = 1
 
 
-def _config(n_cols: int, dtype: torch.dtype, tile_bytes: int, num_stages: int) -> KernelConfig:
+def _block(n_cols: int, max_block: int) -> int:
     # At least 16 lanes: tiny vocabularies waste a few masked lanes instead of compiling 1-wide blocks.
-    block = max(16, min(triton.next_power_of_2(n_cols), tile_bytes // dtype.itemsize))
-    num_warps = min(MAX_WARPS, max(1, block // (32 * VALUES_PER_THREAD)))
-    return KernelConfig(block, num_warps, num_stages)
+    return max(16, min(triton.next_power_of_2(n_cols), max_block))
 
 
-def fwd_config(n_cols: int, dtype: torch.dtype) -> KernelConfig:
-    """Forward launch configuration: a function of V and dtype only (batch invariance)."""
-    return _config(n_cols, dtype, FWD_TILE_BYTES, FWD_STAGES)
+def fwd_config(n_cols: int, dtype: torch.dtype, with_entropy: bool = False) -> KernelConfig:
+    """Forward launch configuration. ``block_v`` is a function of V only (batch invariance, and the
+    same bits with or without entropy); ``num_stages`` changes no bit (pairwise final sums)."""
+    del dtype  # the tile is counted in values: the per-lane accumulators are fp32 for every dtype
+    stages = FWD_STAGES_ENTROPY if with_entropy else FWD_STAGES
+    return KernelConfig(_block(n_cols, FWD_BLOCK_V), FWD_WARPS, stages)
 
 
 def bwd_config(n_cols: int, dtype: torch.dtype) -> KernelConfig:
     """Backward launch configuration (the kernel is elementwise: any choice is invariant)."""
-    return _config(n_cols, dtype, BWD_TILE_BYTES, 1)
+    return KernelConfig(_block(n_cols, BWD_TILE_BYTES // dtype.itemsize), BWD_WARPS, 1)
 
 
 # ---------------------------------------------------------------------------------------- layout
@@ -308,7 +313,7 @@ def _token_logprobs_fwd(
         return
     for out in (logp, lse) if entropy is None else (logp, lse, entropy):
         assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == n_rows
-    cfg = config or fwd_config(n_cols, logits.dtype)
+    cfg = config or fwd_config(n_cols, logits.dtype, with_entropy=entropy is not None)
     ids = _flat_ids(token_ids)
     with _device_guard(logits):
         _token_logprobs_fwd_kernel[(n_rows,)](
