@@ -298,3 +298,16 @@ def test_global_normalizers_accept_int_float_and_tensors():
         cfg = config("ppo", aggregation=aggregation)
         values = [run(cfg, batch, **{key: v}).loss for v in (7, 7.0, torch.tensor(7), torch.tensor(7.0))]
         assert all(torch.equal(v, values[0]) for v in values)
+
+
+def test_metrics_are_computed_once_on_first_access():
+    import rlkernel as rk
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 6, generator=g).requires_grad_(True)
+    cfg = rk.PolicyLossConfig.preset("dapo")
+    out = rk.policy_loss(logp, logp.detach() + 0.1, torch.randn(3, generator=g), torch.ones(3, 6), cfg)
+    first = out.metrics
+    assert first is out.metrics and set(first) >= {"clip_frac", "approx_kl", "ratio_mean"}
+    assert all(not v.requires_grad for v in first.values())
+    assert "PolicyLossOutput(loss=" in repr(out)

@@ -40,6 +40,7 @@ Caveats:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,18 +52,41 @@ from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator, kl_terms
 
 
-@dataclass(frozen=True)
 class PolicyLossOutput:
     """The result of :func:`policy_loss`.
 
     Attributes:
         loss: 0-dim float32 (float64 for float64 ``logp``) tensor, differentiable in ``logp`` and
             ``entropy``.
-        metrics: name → detached 0-dim tensor (see :mod:`rlkernel.rl.loss` for the names).
+        metrics: name → detached 0-dim tensor (see :mod:`rlkernel.rl.loss` for the names). Computed
+            on first access, from detached copies of the step's tensors: a training loop that does
+            not read them does not pay for their ~60 small kernel launches.
     """
 
-    loss: torch.Tensor
-    metrics: dict[str, torch.Tensor]
+    __slots__ = ("loss", "_metrics", "_compute")
+
+    def __init__(
+        self,
+        loss: torch.Tensor,
+        metrics: dict[str, torch.Tensor] | None = None,
+        *,
+        compute_metrics: Callable[[], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        if (metrics is None) == (compute_metrics is None):
+            raise TypeError("PolicyLossOutput needs exactly one of metrics or compute_metrics")
+        self.loss = loss
+        self._metrics = metrics
+        self._compute = compute_metrics
+
+    @property
+    def metrics(self) -> dict[str, torch.Tensor]:
+        if self._metrics is None:
+            self._metrics = self._compute()
+            self._compute = None  # drop the references to the step's tensors
+        return self._metrics
+
+    def __repr__(self) -> str:
+        return f"PolicyLossOutput(loss={self.loss!r})"
 
 
 @dataclass(frozen=True)
@@ -231,16 +255,14 @@ def policy_loss(
         )
         per_token = per_token * weights.weight
     kl = None
-    if batch.ref_logp is not None:
+    if batch.ref_logp is not None and cfg.kl_coef > 0:
         estimator = canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator")
-        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.kl_coef > 0):
-            kl = kl_terms(batch.logp, batch.ref_logp, estimator)
-        if cfg.kl_coef > 0:
-            per_token = per_token + cfg.kl_coef * kl
+        kl = kl_terms(batch.logp, batch.ref_logp, estimator)
+        per_token = per_token + cfg.kl_coef * kl
     loss = agg(per_token)
     if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * agg(batch.entropy)
-    return PolicyLossOutput(loss=loss, metrics=_metrics(cfg, batch, term, kl, weights))
+    return PolicyLossOutput(loss, compute_metrics=lambda: _metrics(cfg, batch, term, kl, weights))
 
 
 @torch.no_grad()
@@ -254,7 +276,9 @@ def _metrics(cfg, batch: _Batch, term, kl, weights) -> dict[str, torch.Tensor]:
     logp, old = batch.logp.detach(), batch.old_logp
     metrics["approx_kl"] = masked_mean(kl_terms(logp, old, "k3"), m)
     metrics.update(_ratio_stats(term.ratio, term.ratio_mask))
-    if kl is not None:
+    if batch.ref_logp is not None:
+        if kl is None:  # ref_logp given for monitoring only (kl_coef == 0)
+            kl = kl_terms(logp, batch.ref_logp, canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator"))
         metrics["kl_ref"] = masked_mean(kl.detach(), m)
     if batch.entropy is not None:
         metrics["entropy_mean"] = masked_mean(batch.entropy.detach(), m)
