@@ -146,3 +146,25 @@ def test_garbage_logits_at_masked_positions_give_exact_zero_gradient():
     (grad,) = torch.autograd.grad(out.loss, p["logits"])
     assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
     assert torch.equal(grad[off], torch.zeros_like(grad[off]))
+
+
+def test_inplace_backward_option_reaches_the_primitive_and_is_logits_only(monkeypatch):
+    import rlkernel.rl.fused as fused_mod
+
+    seen = {}
+    real = fused_mod.token_logprobs
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_mod, "token_logprobs", spy)
+    p = _problem(seed=8)
+    b = p["batch"]
+    kwargs = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"])
+    out = rk.fused_policy_loss(config("ppo"), logits=p["logits"], inplace_backward=True, **kwargs)
+    assert seen["inplace_backward"] is True and torch.isfinite(out.loss)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        rk.fused_policy_loss(
+            config("ppo"), hidden=p["hidden"], weight=p["weight"], inplace_backward=True, **kwargs
+        )

@@ -73,6 +73,7 @@ def fused_policy_loss(
     tp_group: object | None = None,
     cu_seqlens: torch.Tensor | None = None,
     validate: bool = True,
+    inplace_backward: bool = False,
 ) -> PolicyLossOutput:
     """The RL loss from logits or hidden states; same result as ``policy_loss(token_logprobs(...))``.
 
@@ -88,6 +89,9 @@ def fused_policy_loss(
         temperature: the sampling temperature (> 0) applied to the logits.
         tp_group: vocab-parallel process group (hidden path only; see ``linear_token_logprobs``).
         validate: check that active ids are in ``[0, V)`` (one host sync); ``False`` skips it.
+        inplace_backward: logits path only: the backward writes dL/dlogits into the logits' own
+            storage (see :func:`rlkernel.token_logprobs`), so the step needs no memory for the
+            gradient; the logits must not be used after the backward.
 
     Returns:
         :class:`PolicyLossOutput`; the loss is differentiable in ``logits`` or ``hidden``/``weight``/
@@ -120,8 +124,10 @@ def fused_policy_loss(
     options = dict(
         temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy, validate=False
     )
+    if inplace_backward and logits is None:
+        raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
     if logits is not None:
-        out = token_logprobs(logits, ids, **options)
+        out = token_logprobs(logits, ids, inplace_backward=inplace_backward, **options)
     else:
         out = linear_token_logprobs(hidden, weight, ids, bias=bias, tp_group=tp_group, **options)
     logp, entropy = out if want_entropy else (out, None)
