@@ -79,6 +79,29 @@ def main() -> None:
             f"{name:32s} back-to-back {pipelined:7.3f} ms/call | isolated {iso[reps // 2][0]:7.3f} ms "
             f"(CPU launch time {iso[reps // 2][1]:6.3f} ms)"
         )
+    for inplace in (False, True):
+        x = logits.detach().clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = rk.fused_policy_loss(
+            cfg,
+            token_ids=ids,
+            old_logp=old,
+            advantages=adv,
+            mask=mask,
+            logits=x,
+            ref_logp=ref if kl else None,
+            inplace_backward=inplace,
+        )
+        (grad,) = torch.autograd.grad(out.loss, (x,))
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        print(
+            f"peak extra memory, fwd+bwd, inplace_backward={inplace}: {extra / 1e9:.3f} GB = "
+            f"{extra / args.n:.1f} bytes/token (grad aliases logits: {grad.data_ptr() == x.data_ptr()})"
+        )
+        del out, grad, x
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:
