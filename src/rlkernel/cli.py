@@ -1,4 +1,4 @@
-"""The ``rlkernel`` command: ``rlkernel demo | bench | consistency``."""
+"""The ``rlkernel`` command: ``rlkernel demo | bench``."""
 
 from __future__ import annotations
 
