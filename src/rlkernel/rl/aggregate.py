@@ -109,7 +109,7 @@ def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     ``torch.where`` rather than ``x * mask``: a NaN or inf at a masked position stays out of the
     result and out of the gradient (0 · NaN would be NaN).
     """
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(mask, x, 0.0)  # a Python scalar: no 0-dim tensor (and no kernel) per call
 
 
 def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
