@@ -34,22 +34,19 @@ def main() -> None:
     kl = dict(kl_coef=1e-3) if args.preset in ("dapo", "ppo") else {}
     cfg = rk.PolicyLossConfig.preset(args.preset, **kl)
 
+    def fused_grad(x: torch.Tensor, **options) -> torch.Tensor:
+        out = rk.fused_policy_loss(
+            cfg, token_ids=ids, old_logp=old, advantages=adv, mask=mask, logits=x,
+            ref_logp=ref if kl else None, **options,
+        )  # fmt: skip
+        return torch.autograd.grad(out.loss, (x,))[0]
+
     def step(validate: bool, algebra_only: bool = False):
         if algebra_only:
             lp = logp.detach().requires_grad_(True)
             out = rk.policy_loss(lp, old, adv, mask, cfg, ref_logp=ref if kl else None)
             return torch.autograd.grad(out.loss, (lp,))
-        out = rk.fused_policy_loss(
-            cfg,
-            token_ids=ids,
-            old_logp=old,
-            advantages=adv,
-            mask=mask,
-            logits=logits,
-            ref_logp=ref if kl else None,
-            validate=validate,
-        )
-        return torch.autograd.grad(out.loss, (logits,))
+        return fused_grad(logits, validate=validate)
 
     cases = [
         ("fused validate=True", dict(validate=True)),
@@ -84,24 +81,14 @@ def main() -> None:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out = rk.fused_policy_loss(
-            cfg,
-            token_ids=ids,
-            old_logp=old,
-            advantages=adv,
-            mask=mask,
-            logits=x,
-            ref_logp=ref if kl else None,
-            inplace_backward=inplace,
-        )
-        (grad,) = torch.autograd.grad(out.loss, (x,))
+        grad = fused_grad(x, inplace_backward=inplace)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
         print(
             f"peak extra memory, fwd+bwd, inplace_backward={inplace}: {extra / 1e9:.3f} GB = "
             f"{extra / args.n:.1f} bytes/token (grad aliases logits: {grad.data_ptr() == x.data_ptr()})"
         )
-        del out, grad, x
+        del grad, x
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:

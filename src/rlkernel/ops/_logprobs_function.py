@@ -90,17 +90,11 @@ def _bwd_inplace_op(
 ) -> None:
     if kernels.row_layout(logits) is None or not kernels.can_write_in_place(logits):
         # Not addressable in place (the Function never sends such logits here): same numbers, no saving.
-        grad = kernels.token_logprobs_bwd(
-            logits,
-            token_ids,
-            lse,
-            entropy,
-            grad_logp,
-            grad_entropy,
-            temperature=temperature,
-            ignore_index=ignore_index,
+        logits.copy_(
+            _bwd_op._init_fn(
+                logits, token_ids, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index
+            )
         )
-        logits.copy_(grad)
         return
     kernels._token_logprobs_bwd(
         logits,

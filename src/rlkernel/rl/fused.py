@@ -31,13 +31,15 @@ from rlkernel.rl.loss import PolicyLossOutput, policy_loss
 IGNORE_INDEX = -100
 
 
-def _masked_ids(token_ids: object, mask: object) -> torch.Tensor:
-    """Token ids with every masked position replaced by :data:`IGNORE_INDEX`."""
+def _masked_ids(token_ids: object, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, active)``: token ids with every masked position replaced by :data:`IGNORE_INDEX`,
+    and the bool mask of active positions."""
     ids = check.int_tensor("token_ids", token_ids)
     mask = check.mask_tensor("mask", mask)
     check.same_shape("mask", mask, "token_ids", ids.shape)
     check.same_device("mask", mask, "token_ids", ids.device)
-    return torch.where(mask != 0, ids, torch.full_like(ids, IGNORE_INDEX))
+    active = mask != 0
+    return torch.where(active, ids, IGNORE_INDEX), active
 
 
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
@@ -106,7 +108,7 @@ def fused_policy_loss(
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     _check_source(logits, hidden, weight, bias, tp_group)
-    ids = _masked_ids(token_ids, mask)
+    ids, active = _masked_ids(token_ids, mask)
     if validate:
         # Checked here, on the active positions only: an active id equal to IGNORE_INDEX must be an
         # error, not a silently dropped token. The primitive then skips its own (second) sync.
@@ -116,7 +118,7 @@ def fused_policy_loss(
             vocab = check.float_tensor("weight", weight, min_dim=1).shape[0]
         check.token_ids_in_range(
             "token_ids (at active mask positions)",
-            torch.where(mask != 0, token_ids, torch.zeros_like(token_ids)),
+            torch.where(active, token_ids, 0),
             vocab,
             None,
         )
