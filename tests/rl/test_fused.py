@@ -168,3 +168,13 @@ def test_inplace_backward_option_reaches_the_primitive_and_is_logits_only(monkey
         rk.fused_policy_loss(
             config("ppo"), hidden=p["hidden"], weight=p["weight"], inplace_backward=True, **kwargs
         )
+
+
+def test_uint8_token_ids_masked_positions_are_ignored_not_wrapped():
+    p = _problem(seed=9)
+    b = p["batch"]
+    ids = torch.where(b["mask"] != 0, p["ids"], 0).to(torch.uint8)
+    kwargs = dict(old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"])
+    got = rk.fused_policy_loss(config("ppo"), logits=p["logits"], token_ids=ids, **kwargs).loss
+    want = rk.fused_policy_loss(config("ppo"), logits=p["logits"], token_ids=ids.long(), **kwargs).loss
+    assert torch.equal(got, want)

@@ -39,7 +39,8 @@ def _masked_ids(token_ids: object, mask: object) -> tuple[torch.Tensor, torch.Te
     check.same_shape("mask", mask, "token_ids", ids.shape)
     check.same_device("mask", mask, "token_ids", ids.device)
     active = mask != 0
-    return torch.where(active, ids, IGNORE_INDEX), active
+    # int64 first: IGNORE_INDEX does not fit unsigned id dtypes (uint8 would wrap it to 156).
+    return torch.where(active, ids.long(), IGNORE_INDEX), active
 
 
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
