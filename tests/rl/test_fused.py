@@ -178,3 +178,174 @@ def test_uint8_token_ids_masked_positions_are_ignored_not_wrapped():
     got = rk.fused_policy_loss(config("ppo"), logits=p["logits"], token_ids=ids, **kwargs).loss
     want = rk.fused_policy_loss(config("ppo"), logits=p["logits"], token_ids=ids.long(), **kwargs).loss
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ fused token-level (Triton) path
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+TOKEN_LEVEL = [n for n, c in LOSS_CONFIGS.items() if c["loss_type"] in ("ppo", "cispo", "sapo", "reinforce")]
+F32_TOL = dict(atol=2e-6, rtol=2e-5)
+# The Triton interpreter evaluates numpy ops on masked lanes (log 0, 0·inf) and warns about them.
+interpreter_quiet = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _on_device(p):
+    """The problem's logits as fp32 leaves on DEVICE (the kernels' dtype), everything else moved."""
+    q = dict(p)
+    q["logits"] = p["logits"].detach().float().to(DEVICE).requires_grad_(True)
+    q["ids"] = p["ids"].to(DEVICE)
+    q["cu"] = None if p["cu"] is None else p["cu"].to(DEVICE)
+    q["batch"] = {
+        k: v.detach().float().to(DEVICE) if v.is_floating_point() else v.to(DEVICE)
+        for k, v in p["batch"].items()
+    }
+    return q
+
+
+def _token_path_spy(monkeypatch, two_pass: bool = False):
+    """Spy on the fused token-level launcher; ``two_pass`` picks (and forces) the
+    gradient-in-forward path or the 3-pass one, whatever the vocabulary size."""
+    import rlkernel.ops._logprobs_function as fn_mod
+    import rlkernel.rl.fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "GRAD_IN_FORWARD_MAX_VOCAB", 1 << 30 if two_pass else 0)
+    name = "token_loss_grad_in_forward_triton" if two_pass else "token_loss_triton"
+    calls = []
+    real = getattr(fn_mod, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fn_mod, name, spy)
+    return calls
+
+
+def _triton_vs_reference(cfg, p, temperature=0.7, **extra):
+    """(fused on the Triton backend, composed on the reference backend) for the same fp32 inputs."""
+    with rk.use_backend("triton"):
+        fused = _fused(cfg, p, "logits", temperature) if not extra else rk.fused_policy_loss(cfg, **extra)
+        (g_fused,) = torch.autograd.grad(fused.loss, p["logits"])
+    with rk.use_backend("reference"):
+        composed = _composed(cfg, p, "logits", temperature) if not extra else None
+        if extra:
+            import rlkernel.rl.fused as fused_mod
+
+            composed = fused_mod.fused_policy_loss(cfg, **extra)
+        (g_composed,) = torch.autograd.grad(composed.loss, p["logits"])
+    return fused, composed, g_fused, g_composed
+
+
+@interpreter_quiet
+@pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("name", TOKEN_LEVEL)
+def test_token_level_path_equals_composition(name, packed, two_pass, monkeypatch):
+    calls = _token_path_spy(monkeypatch, two_pass)
+    cfg = config(name, kl_coef=0.1, entropy_coef=0.02, rollout_correction="seq_tis")
+    p = _on_device(_problem(seed=len(name), packed=packed))
+    fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
+    assert calls, "the eligible config did not take the fused token-level path"
+    torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
+    torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
+    assert fused.metrics.keys() == composed.metrics.keys()
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], atol=1e-5, rtol=1e-5)
+
+
+@interpreter_quiet
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_token_level_path_with_global_normalizers(aggregation, monkeypatch):
+    calls = _token_path_spy(monkeypatch)
+    cfg = config("ppo", aggregation=aggregation, kl_coef=0.1, kl_estimator="k3")
+    p = _on_device(_problem(seed=12))
+    b = p["batch"]
+    kw = dict(
+        token_ids=p["ids"],
+        old_logp=b["old_logp"],
+        advantages=b["advantages"],
+        mask=b["mask"],
+        ref_logp=b["ref_logp"],
+        logits=p["logits"],
+        global_tokens=31.0,
+        global_seqs=torch.tensor(5.0, device=DEVICE),
+    )
+    fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p, **kw)
+    assert calls
+    torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
+    torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
+
+
+@interpreter_quiet
+def test_gspo_keeps_the_composed_path(monkeypatch):
+    calls = _token_path_spy(monkeypatch)
+    p = _on_device(_problem(seed=13))
+    fused, composed, g_fused, g_composed = _triton_vs_reference(config("gspo"), p)
+    assert not calls
+    torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
+
+
+@interpreter_quiet
+def test_token_level_all_masked_gives_zero_loss_and_gradient():
+    p = _on_device(_problem(seed=14))
+    p["batch"]["mask"] = torch.zeros_like(p["batch"]["mask"])
+    with rk.use_backend("triton"):
+        out = _fused(config("ppo", kl_coef=0.1, entropy_coef=0.1), p, "logits", 1.0)
+        (grad,) = torch.autograd.grad(out.loss, p["logits"])
+    assert out.loss.item() == 0.0 and torch.count_nonzero(grad) == 0
+
+
+@interpreter_quiet
+def test_token_level_garbage_logits_at_masked_positions():
+    p = _on_device(_problem(seed=7))
+    off = p["batch"]["mask"] == 0
+    with torch.no_grad():
+        p["logits"][off] = float("nan")
+    with rk.use_backend("triton"):
+        out = _fused(config("ppo", entropy_coef=0.1, kl_coef=0.1), p, "logits", 1.0)
+        (grad,) = torch.autograd.grad(out.loss, p["logits"])
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    assert torch.equal(grad[off], torch.zeros_like(grad[off]))
+
+
+@interpreter_quiet
+@pytest.mark.parametrize("bad_id", [VOCAB, VOCAB + 1000, -5])
+def test_token_level_out_of_range_id_without_validation_gives_nan(bad_id):
+    p = _on_device(_problem(seed=15))
+    p["ids"][0, 0] = bad_id  # (0, 0) is active
+    with rk.use_backend("triton"):
+        b = p["batch"]
+        out = rk.fused_policy_loss(
+            config("ppo", kl_coef=0.1),
+            logits=p["logits"],
+            token_ids=p["ids"],
+            old_logp=b["old_logp"],
+            advantages=b["advantages"],
+            mask=b["mask"],
+            ref_logp=b["ref_logp"],
+            validate=False,
+        )
+        assert torch.isnan(out.loss)
+
+
+@interpreter_quiet
+def test_token_level_upstream_gradient_and_inplace_backward():
+    cfg = config("cispo", entropy_coef=0.05)
+    p = _on_device(_problem(seed=16))
+    with rk.use_backend("triton"):
+        (g1,) = torch.autograd.grad(_fused(cfg, p, "logits", 1.0).loss, p["logits"])
+        (g3,) = torch.autograd.grad(-3.0 * _fused(cfg, p, "logits", 1.0).loss, p["logits"])
+        torch.testing.assert_close(g3, -3.0 * g1, **F32_TOL)
+        leaf = p["logits"].detach().clone().requires_grad_(True)
+        b = p["batch"]
+        out = rk.fused_policy_loss(
+            cfg,
+            logits=leaf,
+            token_ids=p["ids"],
+            old_logp=b["old_logp"],
+            advantages=b["advantages"],
+            mask=b["mask"],
+            inplace_backward=True,
+        )
+        out.loss.backward()
+    torch.testing.assert_close(leaf.grad, g1, **F32_TOL)

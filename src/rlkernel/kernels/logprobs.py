@@ -10,9 +10,13 @@ Algorithm. Forward: one program per row (grid axis 0, so N may exceed 65,535) st
 tiles of ``BLOCK_V`` values with an online log-sum-exp (``_reduce.online_lse_step``: scalar running
 max, per-lane running sums, rescaled when the max grows; for the entropy also the running Σ p·z by
 the same rescaling). It writes fp32 ``logp``, ``entropy`` (when asked) and ``lse`` (saved for
-backward). Backward: a 2-D grid (rows on axis 0, vocab tiles on axis 1, at most
-ceil(V / BLOCK_V) ≤ 65,535) recomputes ``p`` from the saved ``lse`` and writes the gradient in the
-logits' dtype, optionally into the logits' own storage.
+backward). The row statistics are one jit helper, ``row_logprob_stats``, which the
+gradient-in-forward loss kernel (``kernels/token_loss.py``) calls too: same tiles, same logp bits.
+Backward: a 2-D grid (rows on axis 0, vocab tiles on axis 1, at most ceil(V / BLOCK_V) ≤ 65,535)
+recomputes ``p`` from the saved ``lse`` and writes the gradient in the logits' dtype, optionally
+into the logits' own storage. It can also scale both upstream gradients by a device scalar
+(``grad_scale``: the 0-dim upstream gradient of a fused scalar loss, read in-kernel: no extra
+launch, no host sync).
 
 Memory traffic, b = bytes per logit (2 for bf16), N rows, V vocab:
     forward   reads N·V·b once; writes 12·N bytes (logp, entropy, lse). One pass.
@@ -196,7 +200,32 @@ def _token_logprobs_fwd_kernel(
     y = tl.load(ids_ptr + row).to(tl.int64)
     active = y != ignore_index
     inv_t = 1.0 / tl.cast(temperature, tl.float32)
+    logp, lse, entropy = row_logprob_stats(
+        x_row, stride_xv, y, active, n_cols, inv_t, BLOCK_V, NUM_STAGES, HAS_ENTROPY
+    )
+    tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
+    tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
+    if HAS_ENTROPY:
+        tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
 
+
+@triton.jit
+def row_logprob_stats(
+    x_row,
+    stride_xv,
+    y,
+    active,
+    n_cols,
+    inv_t,
+    BLOCK_V: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+):
+    """``(logp, lse, entropy)`` (fp32 scalars) of one row streamed from ``x_row``: the forward's
+    one-pass online log-sum-exp. Shared by every kernel that needs a row's log-prob (the one place
+    that fixes the bits of logp: same ``BLOCK_V`` → same result). Inactive rows read nothing (their
+    loop runs zero times); an id outside [0, V) gives a NaN logp; ``entropy`` is ``logp`` (unused)
+    without ``HAS_ENTROPY``."""
     offs_v = tl.arange(0, BLOCK_V)
     m_i = tl.full((), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_V,), dtype=tl.float32)
@@ -216,11 +245,10 @@ def _token_logprobs_fwd_kernel(
     in_vocab = active & (y >= 0) & (y < n_cols)
     x_y = tl.load(x_row + tl.where(in_vocab, y, 0) * stride_xv, mask=in_vocab, other=float("nan"))
     logp = (x_y.to(tl.float32) - shift) * inv_t - log_l
-    tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
-    tl.store(lse_ptr + row, tl.where(active, shift * inv_t + log_l, 0.0))
+    entropy = logp
     if HAS_ENTROPY:
         entropy = log_l - pairwise_sum(s_i) / l_sum
-        tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
+    return logp, shift * inv_t + log_l, entropy
 
 
 @triton.jit(do_not_specialize=["ignore_index"])
@@ -240,6 +268,7 @@ def _token_logprobs_bwd_kernel(
     entropy_ptr,
     grad_logp_ptr,
     grad_entropy_ptr,
+    scale_ptr,
     # sizes
     n_inner,
     n_cols,
@@ -250,11 +279,14 @@ def _token_logprobs_bwd_kernel(
     BLOCK_V: tl.constexpr,
     HAS_GRAD_LOGP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     """dx = [g_logp·(onehot − p) − g_H·p·(log p + H)] / T on one tile of one row, p = exp(x/T − lse).
 
     ``dx_ptr`` may equal ``x_ptr`` (in-place): each element is loaded before it is overwritten by
-    the same program. Ignored rows store exact zeros and load nothing."""
+    the same program. Ignored rows store exact zeros and load nothing. With ``HAS_SCALE`` both
+    upstream gradients are multiplied by the device scalar ``*scale_ptr`` (the 0-dim upstream
+    gradient of a fused loss: no extra launch, no host read)."""
     row = tl.program_id(0).to(tl.int64)
     outer = row // n_inner
     inner = row % n_inner
@@ -279,6 +311,8 @@ def _token_logprobs_bwd_kernel(
         entropy = tl.load(entropy_ptr + row)
         # A −inf logit has p = 0 exactly; p·(log p + H) would be 0·(−inf) = NaN.
         dz -= g_entropy * tl.where(x == float("-inf"), 0.0, p * (log_p + entropy))
+    if HAS_SCALE:
+        dz = dz * tl.load(scale_ptr).to(tl.float32)
     dx = tl.where(active, dz * inv_t, 0.0)
     dx_row = dx_ptr + outer * stride_db + inner * stride_dt
     tl.store(dx_row + cols * stride_dv, dx.to(dx_ptr.dtype.element_ty), mask=mask_v)
@@ -378,15 +412,26 @@ def _token_logprobs_bwd(
     temperature: float,
     ignore_index: int,
     config: KernelConfig | None = None,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
-    """Out-variant backward: fills ``grad_logits`` (the logits' dtype), which is either a
-    contiguous tensor of ``logits.shape`` or ``logits`` itself (in place: the logits are destroyed).
-    ``grad_logp``/``grad_entropy`` None mean zero; ``entropy`` is needed with ``grad_entropy``."""
+    """Out-variant backward: fills ``grad_logits`` (fp16/bf16/fp32, usually the logits' dtype),
+    which is either a contiguous tensor of ``logits.shape`` or ``logits`` itself (in place: the
+    logits are destroyed).
+    ``grad_logp``/``grad_entropy`` None mean zero; ``entropy`` is needed with ``grad_entropy``.
+    ``grad_scale`` (a one-element tensor on the logits' device, e.g. the 0-dim upstream gradient
+    of a loss) multiplies both, read inside the kernel."""
     n_inner, stride_xb, stride_xt, stride_xv = _check_layout(logits)
     n_cols = logits.shape[-1]
     n_rows = logits.numel() // max(n_cols, 1)
-    assert grad_logits.shape == logits.shape and grad_logits.dtype == logits.dtype
-    if grad_logits.data_ptr() == logits.data_ptr() and grad_logits.stride() == logits.stride():
+    # The gradient may have another float dtype than the logits (the kernel casts on store): the
+    # linear path writes the bf16 gradient of fp32 chunk logits in one pass.
+    assert grad_logits.shape == logits.shape
+    assert grad_logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if (
+        grad_logits.data_ptr() == logits.data_ptr()
+        and grad_logits.stride() == logits.stride()
+        and grad_logits.dtype == logits.dtype
+    ):
         strides_d = (stride_xb, stride_xt, stride_xv)
     else:
         assert grad_logits.is_contiguous(), "grad_logits must be contiguous or be the logits"
@@ -414,6 +459,7 @@ def _token_logprobs_bwd(
             ent,
             g_logp,
             g_entropy,
+            grad_scale if grad_scale is not None else flat_lse,
             n_inner,
             n_cols,
             float(temperature),
@@ -421,6 +467,7 @@ def _token_logprobs_bwd(
             BLOCK_V=cfg.block_v,
             HAS_GRAD_LOGP=grad_logp is not None,
             HAS_GRAD_ENTROPY=grad_entropy is not None,
+            HAS_SCALE=grad_scale is not None,
             num_warps=cfg.num_warps,
         )
 

@@ -181,3 +181,120 @@ def token_logprobs_triton(
     return TokenLogprobsFunction.apply(
         logits, token_ids, float(temperature), int(ignore_index), bool(return_entropy), bool(inplace_backward)
     )
+
+
+# ------------------------------------------------------------------------- fused token-level loss
+class TokenLossFunction(torch.autograd.Function):
+    """loss = Σ_t ℓ_t(logp_t(logits), H_t(logits)) for a token-level plan, in three launches in all.
+
+    Forward: the log-prob kernel (logp, entropy, lse), then the token-loss kernel
+    (:mod:`rlkernel.kernels.token_loss`: block partial sums of the loss and the coefficients
+    g_logp = dL/dlogp, g_H = dL/dH), then the fixed-order sum of the partials. Backward: ONE launch
+    of the log-prob backward kernel with those coefficients, scaled in-kernel by the 0-dim upstream
+    gradient (read on the device: no host sync, no extra launch).
+
+    Saved state: the logits (or their alias when the backward writes in place), the masked ids
+    (int64), fp32 ``lse`` and ``g_logp`` and, with an entropy term, fp32 ``entropy`` and ``g_H``:
+    16 B/token (24 B/token more with entropy); no ``[N, V]`` intermediate.
+
+    Returns ``(loss, logp, entropy)``; ``logp``/``entropy`` are non-differentiable (for metrics).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, plan, temperature, inplace_backward):
+        from rlkernel.rl.token_loss import token_loss
+
+        ids = plan.tensors["ids"].view(logits.shape[:-1])
+        x = kernels.as_kernel_layout(logits)
+        want_entropy = plan.want_entropy
+        logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, plan.scalars["ignore_index"], want_entropy)
+        terms = token_loss(plan, logp, entropy if want_entropy else None, backend="triton")
+        ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
+        ctx.save_for_backward(
+            x.detach() if ctx.inplace_backward else x,
+            ids,
+            lse,
+            terms.g_logp,
+            entropy if want_entropy else None,
+            terms.g_entropy,
+        )
+        ctx.temperature = temperature
+        ctx.ignore_index = plan.scalars["ignore_index"]
+        ctx.mark_non_differentiable(logp, entropy)
+        # No zero tensors for the (non-differentiable) logp/entropy outputs' gradients: 2 launches.
+        ctx.set_materialize_grads(False)
+        return terms.loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logp_unused, grad_entropy_unused):
+        if not ctx.needs_input_grad[0] or grad_loss is None:
+            return None, None, None, None
+        x, ids, lse, g_logp, entropy, g_entropy = ctx.saved_tensors
+        scale = grad_loss.detach().reshape(1).to(device=x.device, dtype=torch.float32)
+        grad = x if ctx.inplace_backward else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        kernels._token_logprobs_bwd(
+            x,
+            ids,
+            lse,
+            entropy,
+            g_logp,
+            g_entropy,
+            grad,
+            temperature=ctx.temperature,
+            ignore_index=ctx.ignore_index,
+            grad_scale=scale,
+        )
+        if ctx.inplace_backward:
+            torch.autograd.graph.increment_version(x)
+        return grad, None, None, None
+
+
+def token_loss_triton(logits: torch.Tensor, plan, *, temperature: float, inplace_backward: bool):
+    """``(loss, logp, entropy)`` of a token-level plan from logits (see :class:`TokenLossFunction`);
+    ``entropy`` is an empty tensor unless the plan has an entropy term."""
+    return TokenLossFunction.apply(logits, plan, float(temperature), bool(inplace_backward))
+
+
+class TokenLossGradInForwardFunction(torch.autograd.Function):
+    """The same loss as :class:`TokenLossFunction` in two passes over the logits instead of three.
+
+    Forward: ONE row kernel (``kernels.token_loss.token_loss_grad_in_fwd``) streams each row for its
+    lse, computes the token's loss coefficients in-kernel, and streams the row again (mostly from L2
+    when the row is small) writing dL/dlogits for an upstream gradient of 1 into a new buffer.
+    Backward: a sync-free in-place rescale by the upstream gradient that touches no memory when it
+    is 1. Saved state: that gradient (``[N, V]``, the logits' dtype), allocated in forward.
+
+    Returns ``(loss, logp, entropy)``; ``logp``/``entropy`` are non-differentiable (for metrics).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, plan, temperature):
+        from rlkernel.kernels import token_loss as tl_kernels
+
+        x = kernels.as_kernel_layout(logits)
+        loss_rows, logp, entropy, grad = tl_kernels.token_loss_grad_in_fwd(
+            x, temperature=temperature, want_entropy=plan.want_entropy, **plan.slice_args(0, plan.n_tokens)
+        )
+        ctx.grad = grad
+        ctx.mark_non_differentiable(logp, entropy)
+        ctx.set_materialize_grads(False)
+        lead = logits.shape[:-1]
+        return loss_rows.sum(), logp.view(lead), entropy.view(lead) if plan.want_entropy else entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logp_unused, grad_entropy_unused):
+        from rlkernel.kernels import token_loss as tl_kernels
+
+        if grad_loss is None or not ctx.needs_input_grad[0]:
+            return None, None, None
+        grad = ctx.grad
+        if grad is None:
+            raise RuntimeError("the gradient-in-forward loss was already backpropagated (retain_graph)")
+        ctx.grad = None  # the buffer becomes the caller's gradient: a second backward must not rescale it
+        scale = grad_loss.detach().reshape(1).to(device=grad.device, dtype=torch.float32)
+        return tl_kernels.scale_(grad, scale), None, None
+
+
+def token_loss_grad_in_forward_triton(logits: torch.Tensor, plan, *, temperature: float):
+    """``(loss, logp, entropy)`` through :class:`TokenLossGradInForwardFunction`."""
+    return TokenLossGradInForwardFunction.apply(logits, plan, float(temperature))

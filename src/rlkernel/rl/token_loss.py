@@ -1,0 +1,366 @@
+"""Token-level loss plans: the ``[B, T]`` RL algebra as one fused launch over the flat tokens.
+
+For most objectives, once a few per-token constants are known, the gradient dL/dlogp_t depends only
+on token t's own logp_t (and dL/dentropy_t on nothing at all):
+
+    ℓ_t = w_t·(ρ_t·P(logp_t) + kl_coef·K(logp_t) − entropy_coef·H_t)
+    w_t = aggregation weight (mask / denominator: 1/Σm, 1/(n_i·#seqs), 1/#seqs, 1/(#seqs·L), or the
+          global normalizers), ρ_t = detached rollout-correction weight, A_t = broadcast advantage
+
+That holds for ``ppo`` (with ``delta`` and ``dual_clip``), ``cispo``, ``sapo`` and ``reinforce``,
+every aggregation (padded or packed, with or without global normalizers), every KL estimator and
+every rollout correction (``token_*`` and ``seq_*``: their weights are detached functions of
+``old_logp``/``rollout_logp`` only). It does not hold for ``gspo``, ``gspo_token`` and ``gmpo``,
+whose per-token loss depends on the whole sequence's log-probs: they are *not eligible* and keep the
+autograd path (:func:`rlkernel.policy_loss`).
+
+:func:`build_plan` computes the per-token constants with a handful of torch ops (no host sync);
+:func:`token_loss` then runs ONE launch (:mod:`rlkernel.kernels.token_loss`, or the reference on
+CPU) over any row range ``[start, stop)`` of the flat tokens and returns that range's loss partial
+sum and coefficients. A chunked caller (the fused linear path) calls it once per chunk and adds the
+partial sums in chunk order (:func:`as_coef_fn` wraps it in the ``coef_fn`` form of
+``rlkernel.ops._linear_function.fused_linear_token_loss``); ``rlkernel.rl.fused`` calls it once over
+all tokens.
+
+Caveats:
+    * The flat token order is that of ``token_ids`` (``[B, T]`` row-major, or the packed stream).
+    * Metrics are not computed here: the caller builds them lazily with :func:`rlkernel.policy_loss`
+      on detached log-probs (same numbers as the autograd path).
+    * Sequence-level constants of packed input use a gather index built from ``cu_seqlens`` on the
+      host (already read there by the validation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from rlkernel import _dispatch
+from rlkernel import _validate as check
+from rlkernel.reference import token_loss as ref_impl
+from rlkernel.rl import rollout
+from rlkernel.rl.aggregate import Segments
+from rlkernel.rl.config import PolicyLossConfig
+from rlkernel.rl.kl import canonical_kl_estimator
+
+ELIGIBLE_LOSS_TYPES: tuple[str, ...] = ("ppo", "cispo", "sapo", "reinforce")
+IGNORE_INDEX = -100
+
+
+def is_eligible(cfg: PolicyLossConfig) -> bool:
+    """Whether ``cfg``'s gradient is token-local (see the module docstring): ppo, cispo, sapo, reinforce."""
+    return cfg.loss_type in ELIGIBLE_LOSS_TYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLossPlan:
+    """Per-token constants and scalars of one micro-batch's loss, over the flat N tokens.
+
+    Attributes:
+        n_tokens: N.
+        tensors: flat contiguous ``[N]`` tensors ``ids`` (int64, ``IGNORE_INDEX`` at inactive
+            tokens), ``old``, ``adv`` and optionally ``ref``, ``rollout_w``, ``factor`` (fp32), and
+            the 0-dim ``denom`` (or None): see :mod:`rlkernel.kernels.token_loss`. On padded input
+            ``adv`` (when given per sequence) and ``factor`` are ``[S]`` per sequence
+            (``scalars["adv_per_seq"]``, ``scalars["factor_per_seq"]``), read by sequence index.
+        scalars: the kernel's runtime scalars and branch choices (loss, kl, clips, coefficients).
+        want_entropy: the loss uses the entropy (``entropy_coef != 0``).
+    """
+
+    n_tokens: int
+    tensors: dict
+    scalars: dict
+    want_entropy: bool
+
+    def slice_args(self, start: int, stop: int) -> dict:
+        """The kernel/reference keyword arguments for tokens ``[start, stop)`` (views, no copies)."""
+        per_seq = {"adv": self.scalars["adv_per_seq"], "factor": self.scalars["factor_per_seq"]}
+        args = {
+            k: (v[start:stop] if v is not None and v.dim() == 1 and not per_seq.get(k, False) else v)
+            for k, v in self.tensors.items()
+        }
+        return {**args, **self.scalars, "row0": start}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLossTerms:
+    """What :func:`token_loss` returns for a row range.
+
+    Attributes:
+        loss: 0-dim fp32, Σ ℓ_t over the range (fixed-order sum of the kernel's block partials).
+        g_logp: fp32 ``[stop − start]``, dL/dlogp_t for an upstream gradient of 1.
+        g_entropy: fp32 ``[stop − start]`` dL/dH_t, or None when the loss has no entropy term.
+    """
+
+    loss: torch.Tensor
+    g_logp: torch.Tensor
+    g_entropy: torch.Tensor | None
+
+
+def _flat_f32(x: torch.Tensor) -> torch.Tensor:
+    # No copy (and no launch) when already fp32 contiguous.
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _to_tokens(x: torch.Tensor, seg: Segments, inverse: torch.Tensor | None) -> torch.Tensor:
+    """An ``[S, L]`` (or broadcastable) tensor back to the flat token order."""
+    x = x.expand(seg.n_seqs, seg.max_len)
+    return x.reshape(-1).contiguous() if inverse is None else x.reshape(-1)[inverse]
+
+
+def _inverse_index(seg: Segments, n_tokens: int) -> torch.Tensor | None:
+    """Packed: int64 ``[N]``, the position of each token in the flattened ``[S, L]`` layout."""
+    if not seg.is_packed:
+        return None
+    gather = seg.gather_index.reshape(-1)
+    inv = torch.empty(n_tokens + 1, dtype=torch.int64, device=gather.device)
+    # Padding slots all point at the spare entry N (any of them may win: it is dropped).
+    inv.scatter_(0, gather, torch.arange(gather.numel(), device=gather.device))
+    return inv[:n_tokens]
+
+
+def _validate(cfg, ids, old_logp, advantages, mask, ref_logp, rollout_logp, cu_seqlens) -> Segments:
+    """The checks of ``policy_loss`` that need no tensor op (the same errors, raised here, eagerly)."""
+    if not isinstance(cfg, PolicyLossConfig):
+        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    shape = ids.shape
+    if ids.dim() == 2:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {check.describe(ids)}")
+        seg = Segments.padded(shape)
+    elif ids.dim() == 1:
+        if cu_seqlens is None:
+            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {check.describe(ids)}")
+        cu = check.cu_seqlens_tensor("cu_seqlens", cu_seqlens, shape[0])
+        seg = Segments.packed(cu, shape[0], ids.device)
+    else:
+        raise ValueError(
+            f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {check.describe(ids)}"
+        )
+    check.float_tensor("old_logp", old_logp)
+    check.same_shape("old_logp", old_logp, "logp", shape)
+    check.same_device("old_logp", old_logp, "logp", ids.device)
+    for name, value in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
+        if value is not None:
+            check.float_tensor(name, value)
+            check.same_shape(name, value, "logp", shape)
+            check.same_device(name, value, "logp", ids.device)
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when cfg.kl_coef > 0 (kl_coef={cfg.kl_coef})")
+    if cfg.rollout_correction is not None and rollout_logp is None:
+        raise ValueError(f"rollout_logp is required when cfg.rollout_correction={cfg.rollout_correction!r}")
+    adv = check.float_tensor("advantages", advantages)
+    check.same_device("advantages", adv, "logp", ids.device)
+    if adv.shape != shape and not (adv.dim() == 1 and adv.shape[0] == seg.n_seqs):
+        raise ValueError(
+            f"advantages must have shape ({seg.n_seqs},) (one per sequence) or {tuple(shape)} "
+            f"(one per token, the shape of logp), got {check.describe(adv)}"
+        )
+    return seg
+
+
+def _normalizer(value, device) -> tuple[float, torch.Tensor | None]:
+    """A global normalizer as (multiplier, device tensor or None); a CPU tensor is read on the host
+    (no device sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and device.type != "cpu":
+            return float(value.item()), None
+        return 1.0, value
+    return float(value), None
+
+
+def build_plan(
+    cfg: PolicyLossConfig,
+    *,
+    token_ids: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    global_tokens: float | torch.Tensor | None = None,
+    global_seqs: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    masked_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> TokenLossPlan:
+    """The per-token constants of ``policy_loss(logp, old_logp, advantages, mask, cfg, ...)``.
+
+    Args:
+        cfg: an eligible config (:func:`is_eligible`); ValueError otherwise.
+        token_ids: int ``[B, T]`` or packed ``[N]``; only its shape and the mask matter here, plus
+            the ids themselves, which the plan keeps (``IGNORE_INDEX`` at masked positions) for the
+            kernels.
+        old_logp, advantages, mask, ref_logp, rollout_logp, global_tokens, global_seqs, cu_seqlens:
+            as in :func:`rlkernel.policy_loss`, over the shape of ``token_ids``.
+        masked_ids: ``(ids, active)`` already computed by the caller (ids int64 with
+            ``IGNORE_INDEX`` at masked positions, and the bool mask), to skip recomputing them.
+
+    Returns:
+        :class:`TokenLossPlan`. No host sync (except reading ``cu_seqlens`` for packed input and a
+        CPU-tensor normalizer).
+
+    Raises:
+        TypeError / ValueError: what ``policy_loss`` raises for the same inputs.
+    """
+    if not is_eligible(cfg):
+        raise ValueError(
+            f"loss_type={cfg.loss_type!r} has no token-level plan (eligible: {ELIGIBLE_LOSS_TYPES})"
+        )
+    ids = check.int_tensor("token_ids", token_ids)
+    mask = check.mask_tensor("mask", mask)
+    check.same_shape("mask", mask, "token_ids", ids.shape)
+    check.same_device("mask", mask, "token_ids", ids.device)
+    seg = _validate(cfg, ids, old_logp, advantages, mask, ref_logp, rollout_logp, cu_seqlens)
+    device = ids.device
+    n = ids.numel()
+    if masked_ids is None:
+        active = mask != 0
+        masked_ids = (torch.where(active, ids.long(), IGNORE_INDEX), active)
+    flat_ids, active = masked_ids[0].reshape(-1), masked_ids[1]
+    g_tokens = check.normalizer("global_tokens", global_tokens, device)
+    g_seqs = check.normalizer("global_seqs", global_seqs, device)
+    inverse = _inverse_index(seg, n)
+    act2 = seg.to_padded(active, fill=False)
+
+    # Per-sequence values of a padded batch stay [S]: the kernel reads sequence token // T.
+    adv = advantages.detach()
+    adv_per_seq = adv.shape != ids.shape and not seg.is_packed
+    if adv.shape == ids.shape or adv_per_seq:
+        adv_t = _flat_f32(adv)
+    else:
+        adv_t = _to_tokens(adv.to(torch.float32)[:, None], seg, inverse)
+
+    # Aggregation: w_t = factor_t / (norm_mult · max(denom, floor)).
+    factor, denom, norm_mult, floor = None, None, 1.0, -math.inf
+    if cfg.aggregation == "token-mean":
+        if g_tokens is None:
+            denom, floor = active.sum(), 1.0
+        else:
+            norm_mult, denom = _normalizer(g_tokens, device)
+    else:
+        counts = act2.sum(-1)
+        if g_seqs is None:
+            denom, floor = (counts > 0).sum(), 1.0
+        else:
+            norm_mult, denom = _normalizer(g_seqs, device)
+        if cfg.aggregation == "seq-mean-token-mean":
+            factor = counts.clamp_min(1).to(torch.float32).reciprocal()
+            if seg.is_packed:
+                factor = _to_tokens(factor[:, None], seg, inverse)
+        elif cfg.aggregation == "seq-mean-token-sum-norm":
+            norm_mult *= float(cfg.norm_length if cfg.norm_length is not None else max(seg.max_len, 1))
+
+    rollout_w = None
+    if cfg.rollout_correction is not None:
+        old2 = seg.to_padded(old_logp.detach().to(torch.float32))
+        roll2 = seg.to_padded(rollout_logp.detach().to(torch.float32))
+        weights = rollout.rollout_weights(
+            old2, roll2, act2, cfg.rollout_correction, cfg.rollout_clip_min, cfg.rollout_clip_max
+        )
+        rollout_w = _to_tokens(weights.weight, seg, inverse)
+
+    kl = None
+    straight = False
+    use_kl = cfg.kl_coef > 0
+    if use_kl:
+        name = canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator")
+        kl, straight = name.rstrip("+"), name.endswith("+")
+    inf = math.inf
+    if cfg.loss_type == "cispo":
+        clip_lo = -inf if cfg.clip_low is None else 1.0 - cfg.clip_low
+    else:
+        clip_lo = 1.0 - cfg.clip_low if cfg.clip_low is not None else -inf
+    scalars = dict(
+        seq_len=seg.max_len,
+        adv_per_seq=adv_per_seq,
+        factor_per_seq=factor is not None and not seg.is_packed,
+        ignore_index=IGNORE_INDEX,
+        norm_mult=norm_mult,
+        denom_floor=floor,
+        loss=cfg.loss_type,
+        clip_lo=clip_lo,
+        clip_hi=1.0 + cfg.clip_high,
+        delta=cfg.delta if cfg.delta is not None else inf,
+        dual_clip=cfg.dual_clip,
+        tau_pos=cfg.sapo_tau_pos,
+        tau_neg=cfg.sapo_tau_neg,
+        kl=kl,
+        kl_straight=straight,
+        kl_coef=cfg.kl_coef,
+        entropy_coef=cfg.entropy_coef,
+    )
+    tensors = dict(
+        ids=flat_ids,
+        old=_flat_f32(old_logp),
+        adv=adv_t,
+        ref=_flat_f32(ref_logp) if use_kl else None,
+        rollout_w=rollout_w,
+        factor=factor,
+        denom=denom,
+    )
+    return TokenLossPlan(n_tokens=n, tensors=tensors, scalars=scalars, want_entropy=cfg.entropy_coef != 0)
+
+
+def token_loss(
+    plan: TokenLossPlan,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None = None,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    backend: str | None = None,
+) -> TokenLossTerms:
+    """Loss partial sum and per-token coefficients of tokens ``[start, stop)`` in one launch.
+
+    Args:
+        plan: from :func:`build_plan`.
+        logp: fp32 ``[stop − start]`` log-probs of those tokens (0 at inactive ones is fine; any
+            value there is ignored).
+        entropy: fp32 ``[stop − start]`` entropies, required when ``plan.want_entropy``.
+        start, stop: the row range of the flat tokens (default: all).
+        backend: ``"triton"`` or ``"reference"``; default: the dispatcher's choice for the device.
+
+    Returns:
+        :class:`TokenLossTerms`: the range's loss sum (add the ranges' sums in order for the total),
+        ``g_logp`` and ``g_entropy`` (None without an entropy term).
+    """
+    stop = plan.n_tokens if stop is None else stop
+    if not 0 <= start <= stop <= plan.n_tokens:
+        raise ValueError(f"row range [{start}, {stop}) is not inside [0, {plan.n_tokens})")
+    n = stop - start
+    if logp.numel() != n:
+        raise ValueError(f"logp must have {n} elements (rows [{start}, {stop})), got {check.describe(logp)}")
+    if plan.want_entropy and (entropy is None or entropy.numel() != n):
+        raise ValueError(f"entropy with {n} elements is required: the loss has an entropy term")
+    ent = entropy.detach().reshape(-1).contiguous() if plan.want_entropy else None
+    x = logp.detach().reshape(-1).contiguous()
+    args = plan.slice_args(start, stop)
+    if backend is None:
+        backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64)
+    if backend == "triton":
+        from rlkernel.kernels import token_loss as kernels
+
+        partial = torch.empty(kernels.n_partials(n), dtype=torch.float32, device=x.device)
+        g_logp = torch.empty(n, dtype=torch.float32, device=x.device)
+        g_entropy = torch.empty(n, dtype=torch.float32, device=x.device) if ent is not None else None
+        kernels.token_loss_fwd(partial, g_logp, g_entropy, logp=x, entropy=ent, **args)
+        return TokenLossTerms(partial.sum(), g_logp, g_entropy)
+    loss_t, g_logp, g_entropy = ref_impl.token_loss(x, ent, **args)
+    return TokenLossTerms(loss_t.sum(), g_logp, g_entropy)
+
+
+def as_coef_fn(plan: TokenLossPlan):
+    """``coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy)`` for a chunked engine
+    (e.g. ``rlkernel.ops._linear_function.fused_linear_token_loss``), one :func:`token_loss` launch
+    per chunk ``rows`` (a ``slice`` of the flat tokens, step 1). Run the engine with
+    ``token_ids=plan.tensors["ids"]`` (``IGNORE_INDEX`` at masked positions) and
+    ``with_entropy=plan.want_entropy``; the engine adds the chunks' ``loss_part`` in order."""
+
+    def coef_fn(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None):
+        start, stop, _ = rows.indices(plan.n_tokens)
+        terms = token_loss(plan, logp, entropy, start=start, stop=stop)
+        return terms.loss, terms.g_logp, terms.g_entropy
+
+    return coef_fn
