@@ -6,10 +6,12 @@ Public API (see docs/ and DESIGN.md):
     group_advantages, kl_penalty                    advantage estimators, KL estimators
     PolicyLossConfig, policy_loss, PolicyLossOutput the RL objective algebra
     fused_policy_loss                               loss straight from logits or hidden states
+    global_normalizers                              token/sequence counts of a step over DP ranks
     use_backend                                     force "triton" / "reference" for a block of code
 """
 
 from rlkernel._dispatch import use_backend
+from rlkernel.distributed import global_normalizers
 from rlkernel.ops.logprobs import linear_token_logprobs, token_logprobs
 from rlkernel.rl import (
     PolicyLossConfig,
@@ -27,6 +29,7 @@ __all__ = [
     "PolicyLossOutput",
     "__version__",
     "fused_policy_loss",
+    "global_normalizers",
     "group_advantages",
     "kl_penalty",
     "linear_token_logprobs",

@@ -99,10 +99,12 @@ def test_bad_input(mutate, exc, match):
         rk.linear_token_logprobs(args["hidden"], args["weight"], args["token_ids"], bias=args["bias"])
 
 
-def test_tp_group_not_implemented_yet():
+@pytest.mark.parametrize("group", [object(), "world", 0])
+def test_tp_group_must_be_a_process_group(group):
+    """Raised locally, before any collective (the vocab-parallel path itself: tests/distributed)."""
     h, w, b, ids = make()
-    with pytest.raises(NotImplementedError, match="tp_group"):
-        rk.linear_token_logprobs(h, w, ids, tp_group=object())
+    with pytest.raises(TypeError, match="tp_group must be a torch.distributed ProcessGroup"):
+        rk.linear_token_logprobs(h, w, ids, tp_group=group)
 
 
 def test_ignored_rows_with_garbage_hidden_do_not_reach_any_gradient():

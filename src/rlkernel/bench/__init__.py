@@ -12,12 +12,25 @@ Importing this package touches no device.
 
 from __future__ import annotations
 
-from rlkernel.bench import logits
+import importlib
+
 from rlkernel.bench.harness import BenchError, Suite
 
-# name -> suite. Later suites ("linear": LM head + loss from hidden states; "invariant": the
-# batch-invariant forward chain) add one module each and one entry here.
-SUITES: dict[str, Suite] = {logits.SUITE.name: logits.SUITE}
+# One module per suite, each defining ``SUITE``: logits (log-probs and losses from logits), linear
+# (LM head + loss from hidden states).
+_SUITE_MODULES = ("logits", "linear")
+
+
+def _load_suites() -> dict[str, Suite]:
+    suites = {}
+    for name in _SUITE_MODULES:
+        module = importlib.import_module(f"rlkernel.bench.{name}")
+        suites[module.SUITE.name] = module.SUITE
+    return suites
+
+
+# name -> suite.
+SUITES: dict[str, Suite] = _load_suites()
 
 
 def get_suite(name: str) -> Suite:

@@ -22,6 +22,16 @@ def _triton_token_logprobs():
     return token_logprobs_triton
 
 
+def _linear_kernel_available(dtype: torch.dtype | None = None) -> bool:
+    """Whether the GPU linear path (``rlkernel.ops._linear_function``) handles ``dtype``: fp16,
+    bf16 and fp32 (fp64 has no kernel; the module also sends fp64 to the reference itself)."""
+    import importlib.util
+
+    if dtype == torch.float64:
+        return False
+    return importlib.util.find_spec("rlkernel.ops._linear_function") is not None
+
+
 def _check_common(
     name: str, x: torch.Tensor, token_ids: object, temperature: float, ignore_index: int
 ) -> torch.Tensor:
@@ -100,6 +110,34 @@ def token_logprobs(
     )
 
 
+def check_linear_inputs(
+    hidden: object,
+    weight: object,
+    token_ids: object,
+    bias: object,
+    temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    """The checks of :func:`linear_token_logprobs` (all but the id range); returns the int ids."""
+    check.float_tensor("hidden", hidden, min_dim=1)
+    check.float_tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+            f"got {check.describe(weight)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight must have at least one vocabulary row, got {check.describe(weight)}")
+    check.same_device("weight", weight, "hidden", hidden.device)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if bias is not None:
+        check.float_tensor("bias", bias)
+        check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
+        check.same_device("bias", bias, "hidden", hidden.device)
+    return _check_common("hidden", hidden, token_ids, temperature, ignore_index)
+
+
 def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -126,35 +164,42 @@ def linear_token_logprobs(
         token_ids: ``[...]`` integer ids, the leading shape of ``hidden``.
         bias: optional ``[V]`` LM-head bias.
         temperature, ignore_index, return_entropy, validate: as in :func:`token_logprobs`.
-        tp_group: vocab-parallel process group (weight = this rank's vocab shard). Not implemented
-            yet: passing one raises ``NotImplementedError``.
+        tp_group: vocab-parallel process group: ``weight`` (and ``bias``) are this rank's contiguous
+            vocabulary shard, shards in rank order, uneven sizes allowed; ``hidden`` and
+            ``token_ids`` are replicated. Every rank gets the full-vocabulary logp/entropy. See
+            :func:`rlkernel.distributed.vocab_parallel_linear_token_logprobs`.
 
     Returns:
         ``logp`` float32 ``[...]``, or ``(logp, entropy)``; float64 for float64 inputs.
     """
-    check.float_tensor("hidden", hidden, min_dim=1)
-    check.float_tensor("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
-            f"got {check.describe(weight)}"
-        )
-    if weight.shape[0] < 1:
-        raise ValueError(f"weight must have at least one vocabulary row, got {check.describe(weight)}")
-    check.same_device("weight", weight, "hidden", hidden.device)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    if bias is not None:
-        check.float_tensor("bias", bias)
-        check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
-        check.same_device("bias", bias, "hidden", hidden.device)
-    ids = _check_common("hidden", hidden, token_ids, temperature, ignore_index)
     if tp_group is not None:
-        raise NotImplementedError("tp_group (vocab-parallel linear_token_logprobs) is not implemented yet")
+        # Vocab-parallel: every local check, the shard layout and the id range (of the *global*
+        # vocabulary) are validated there across ranks, so that every rank raises the same error
+        # (a check failing here on one rank only would leave the others waiting in a collective).
+        from rlkernel.distributed import vocab_parallel_linear_token_logprobs
+
+        return vocab_parallel_linear_token_logprobs(
+            hidden,
+            weight,
+            token_ids,
+            tp_group=tp_group,
+            validate=validate,
+            bias=bias,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+        )
+    ids = check_linear_inputs(hidden, weight, token_ids, bias, temperature, ignore_index)
+    options = dict(
+        bias=bias, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
+    )
     if validate:
         check.token_ids_in_range("token_ids", ids, weight.shape[0], ignore_index)
-    backend = _dispatch.resolve_backend(hidden.device, has_kernel=False)
-    assert backend == "reference"
+    backend = _dispatch.resolve_backend(hidden.device, has_kernel=_linear_kernel_available(hidden.dtype))
+    if backend == "triton":
+        from rlkernel.ops._linear_function import linear_token_logprobs_triton
+
+        return linear_token_logprobs_triton(hidden, weight, ids, **options)
     return ref.linear_token_logprobs(
         hidden,
         weight,

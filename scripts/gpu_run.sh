@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Run several GPU steps in one device-tool call, each with its own time limit and log, and bundle
+# every log and result file into one archive (the device tool returns at most 8 files).
+#
+#   STEPS="check_loss check_linear" bash scripts/gpu_run.sh
+#
+# Steps (each is one command below; PYTHONPATH=src, Liger wheels from .whl/ when carried):
+#   pytest          GPU tests (tests that skip without CUDA run here)
+#   check_logprobs  scripts/gpu_check_logprobs.py --no-bench
+#   check_loss      scripts/gpu_check_loss.py          (fused token-level loss vs reference, vs Liger)
+#   check_linear    scripts/gpu_check_linear.py        (LM head + log-probs/loss from hidden states)
+#   check_ops       scripts/gpu_check_invariant_ops.py (invariant GEMM and RMSNorm)
+#   check_attention scripts/gpu_check_attention.py     (invariant attention)
+#   consistency     scripts/gpu_consistency.sh         (rollout vs training log-probs, patched model)
+#   bench_logits    rlkernel bench logits
+#   bench_linear    rlkernel bench linear
+#   bench_invariant rlkernel bench invariant
+# Outputs: $OUT/gpu_run.tgz (logs/<step>.log and results/*), and a summary table at the end.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
+WORK="${OUT:-/tmp/gpu_run}/bundle"
+mkdir -p "$WORK/logs" "$WORK/results"
+export RESULTS_DIR="$WORK/results"
+STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import transformers; print('transformers', transformers.__version__)" 2>/dev/null || true
+  python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>/dev/null || true
+  echo "commit ${RLKERNEL_GIT_COMMIT:-unknown}"
+} | tee "$WORK/logs/env.log"
+
+step_cmd() {
+  case "$1" in
+    pytest) echo "python3 -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-}" ;;
+    check_logprobs) echo "python3 scripts/gpu_check_logprobs.py --no-bench" ;;
+    check_loss) echo "python3 scripts/gpu_check_loss.py" ;;
+    check_linear) echo "python3 scripts/gpu_check_linear.py" ;;
+    check_ops) echo "python3 scripts/gpu_check_invariant_ops.py" ;;
+    check_attention) echo "python3 scripts/gpu_check_attention.py" ;;
+    consistency) echo "bash scripts/gpu_consistency.sh" ;;
+    bench_*) echo "python3 -m rlkernel.bench ${1#bench_} --out $RESULTS_DIR ${BENCH_ARGS:-}" ;;
+    *) echo "false unknown-step-$1" ;;
+  esac
+}
+
+declare -A RC SECS
+for step in ${STEPS:?set STEPS}; do
+  echo "=== $step ($(date -u +%H:%M:%S))"
+  start=$(date +%s)
+  # shellcheck disable=SC2046
+  timeout "$STEP_TIMEOUT" bash -c "$(step_cmd "$step")" > "$WORK/logs/$step.log" 2>&1
+  RC[$step]=$?
+  SECS[$step]=$(( $(date +%s) - start ))
+  tail -n "${TAIL_LINES:-40}" "$WORK/logs/$step.log"
+done
+tar -czf "${OUT:-/tmp/gpu_run}/gpu_run.tgz" -C "$WORK" logs results
+echo "=== summary"
+for step in ${STEPS}; do printf '%-16s rc=%-4s %4ss\n' "$step" "${RC[$step]}" "${SECS[$step]}"; done

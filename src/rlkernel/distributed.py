@@ -1,0 +1,649 @@
+"""Vocab-parallel (tensor-parallel) LM-head log-probs and global loss normalizers, on torch.distributed.
+
+Vocab parallelism (Megatron's ``VocabParallelEmbedding``/``ColumnParallelLinear`` LM head, verl's and
+vLLM's TP layouts) splits the LM-head weight ``[V, H]`` by rows: tensor-parallel rank r holds the
+contiguous vocabulary range ``[vocab_start_r, vocab_start_r + V_r)``, with ``vocab_start_r`` the sum
+of the shard sizes of the lower ranks (shards in rank order; uneven sizes allowed). The hidden
+states and token ids are replicated: every rank sees the same ``[N, H]`` and ``[N]``.
+
+Algorithm (per chunk of rows, as in the reference ``_ChunkedLinearLogprobs``; z = logits / T in fp32,
+fp64 for fp64 inputs; y = the target id):
+
+    z       = (h @ W_r.T + b_r) / T                       local [n, V_r], never [n, V]
+    m       = all_reduce(max_v z, MAX)                    collective 1: [n]
+    s, t, q = Σ_v e^{z−m},  z_y − m (owner rank only, 0 elsewhere),  Σ_v e^{z−m}·(z − m)
+    s, t, q = all_reduce([s; t; q], SUM)                  collective 2: [3, n] ([2, n] without entropy)
+    lse     = m + log s,   logp = t − log s,   entropy = log s − q / s
+
+so every rank ends with the same full-vocabulary ``logp``, ``entropy`` and ``lse`` (saved for
+backward). Shifting by the global max before the sum keeps every ``e^{z−m} ≤ 1``, and writing the
+entropy with ``z − m`` avoids the cancellation of ``lse − Σ p z`` at large logits.
+
+Backward recomputes each chunk's local logits and, with the saved global ``lse`` and ``entropy``
+(p = e^{z − lse}, δ = one-hot of y, non-zero only on the owner rank):
+
+    ∂z      = g_logp · (δ − p) / T  −  g_ent · p · (log p + entropy) / T          local [n, V_r]
+    dW_r    = Σ_chunks ∂zᵀ h,   db_r = Σ_chunks Σ_rows ∂z                         local, fp32 accumulator
+    dhidden = all_reduce(∂z @ W_r, SUM)                                           collective 3
+
+``dhidden`` is reduced in fp32 (fp64) and cast once, in blocks of whole chunks of at most
+:data:`REDUCE_BYTES`, so a 128k-token batch never holds an ``[N, H]`` fp32 buffer. Collectives run in
+a fixed order (one MAX and one SUM per chunk forward, one SUM per block backward), so results are run
+to run deterministic and every rank issues the same calls.
+
+Validation (one ``all_gather`` of a small int64 descriptor per call, then one host read): each rank
+runs the local checks of ``linear_token_logprobs`` and describes its call — a local error and its
+message, N, H, its shard size V_r, dtype, device type, bias or not, temperature, ignore_index,
+return_entropy, whether ``hidden`` needs a gradient, ``chunk_rows``, a checksum of the ids and the
+min/max active id. Every rank then computes the same verdict from the same table and raises the same
+``ValueError`` (a ``TypeError`` when every rank failed a type check) naming the ranks and what
+differs, before any rank enters a data collective. That read also gives ``vocab_start`` and the
+global V = Σ V_r, against which ``validate=True`` checks the ids.
+
+``global_normalizers`` sums the active-token and sequence counts of a step (all micro-batches, all
+data-parallel ranks) in one ``all_reduce``, for ``policy_loss(..., global_tokens=, global_seqs=)``.
+
+Caveats:
+    * Hidden states must be bitwise replicated across the group, and the upstream gradients of
+      ``logp``/``entropy`` identical (they are when the loss is computed from the replicated outputs,
+      as every rank must do). Only the ids are checksummed; different hidden states give wrong
+      numbers, not an error.
+    * Every rank must run backward (or none): ``dhidden`` is an all-reduce. Whether ``hidden``
+      needs a gradient is checked in forward; a rank that skips backward stalls the others until the
+      process group's timeout.
+    * Errors raised before this module runs (the hook in ``linear_token_logprobs`` validates shapes
+      first, ``fused_policy_loss`` the masks) are raised by the offending rank alone: keep the
+      per-rank inputs (the weight shard, the bias) the only thing that differs.
+    * A zero-row shard is rejected (every rank must own at least one vocabulary row).
+    * The per-call descriptor read is a host sync; the path is not traceable by ``torch.compile``
+      (``fullgraph=True`` breaks at the collectives).
+    * Local GEMMs (:data:`GEMM`): for bf16/fp16 on CUDA, cuBLAS on the half-precision operands with
+      fp32 output, ∂z rounded to the operand dtype for the two backward GEMMs (gradients then differ
+      from the reference by ~3e-3 in norm, the bf16 rounding); otherwise the reference's fp32 GEMMs
+      on the shard upcast once per call (an O(V_r·H) fp32 temporary). The elementwise softmax work
+      is PyTorch ops on fp32 ``[rows, V_r]`` chunks; a Triton vocab-shard kernel would slot in under
+      the same collectives (it needs ``vocab_start`` and returns the partials).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlkernel import _validate as check
+from rlkernel.reference import logprobs as ref
+
+# dhidden is all-reduced in blocks of whole chunks holding at most this many bytes (fp32 [rows, H]).
+REDUCE_BYTES = 64 * 2**20
+
+# The local GEMMs for bf16/fp16 inputs. "auto": on CUDA, on the half-precision operands with fp32
+# output (``torch.mm(out_dtype=torch.float32)``, tensor cores, ~10x the rate of an fp32 GEMM), the
+# backward's ∂z rounded to the operand dtype for its two GEMMs, as the single-GPU Triton path does;
+# elsewhere (CPU, fp32/fp64 inputs, no ``out_dtype`` support) "fp32". "fp32": the reference's fp32
+# GEMMs on the upcast shard everywhere. "half": the half-operand GEMMs everywhere (on the CPU
+# emulated with fp32 products of the same operands: for tests).
+GEMM = "auto"
+
+# ------------------------------------------------------------------------------- descriptor layout
+_FIELDS = (
+    "error",  # 0 ok, 1 ValueError, 2 TypeError (the local checks failed)
+    "n",
+    "hidden_size",
+    "vocab_local",
+    "dtype",
+    "device_type",
+    "has_bias",
+    "temperature",  # the float64 bits
+    "ignore_index",
+    "return_entropy",
+    "hidden_grad",
+    "chunk_rows",  # 0 = automatic
+    "id_hash",
+    "id_min",
+    "id_max",
+)
+_F = {name: i for i, name in enumerate(_FIELDS)}
+_MSG_BYTES = 384  # a local error's message travels in the descriptor, truncated to this many bytes
+_DESC_LEN = len(_FIELDS) + _MSG_BYTES // 8
+_INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
+_DTYPES = (None,) + check.FLOAT_DTYPES
+_DEVICE_TYPES = ("other", "cpu", "cuda")
+# Fields that must agree across ranks, with the words used in the error message.
+_MUST_AGREE = (
+    ("n", "token count N = hidden.shape[:-1].numel()"),
+    ("hidden_size", "hidden size H"),
+    ("dtype", "hidden/weight dtype"),
+    ("device_type", "device type"),
+    ("has_bias", "bias given"),
+    ("temperature", "temperature"),
+    ("ignore_index", "ignore_index"),
+    ("return_entropy", "return_entropy"),
+    ("hidden_grad", "whether hidden requires grad"),
+    ("chunk_rows", "chunk_rows (0 = automatic)"),
+    ("id_hash", "token_ids checksum (the ids must be the same on every rank)"),
+)
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def _format(field: str, value: int) -> str:
+    if field == "dtype":
+        return str(_DTYPES[value]) if 0 < value < len(_DTYPES) else "?"
+    if field == "device_type":
+        return _DEVICE_TYPES[value]
+    if field == "temperature":
+        return repr(_bits_float(value))
+    if field in ("has_bias", "return_entropy", "hidden_grad"):
+        return str(bool(value))
+    return str(value)
+
+
+def _check_group(name: str, group: object) -> None:
+    process_group = getattr(dist, "ProcessGroup", None)
+    if process_group is None or not dist.is_available():
+        raise TypeError(f"{name} needs torch.distributed, which this PyTorch build does not have")
+    if not isinstance(group, process_group):
+        raise TypeError(
+            f"{name} must be a torch.distributed ProcessGroup (e.g. from dist.new_group), "
+            f"got {type(group).__name__}"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of {name}")
+
+
+def _collective_device(group: object, data: object) -> torch.device:
+    """Where a small control tensor must live for ``group``'s backend: CUDA for NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend:
+        return torch.device("cpu")
+    if isinstance(data, torch.Tensor) and data.device.type == "cuda":
+        return data.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# -------------------------------------------------------------------------------- local checks
+def _local_checks(hidden, weight, bias, token_ids, temperature, ignore_index, chunk_rows) -> torch.Tensor:
+    """The checks of ``linear_token_logprobs`` (and a non-empty shard); returns the int ids."""
+    check.float_tensor("hidden", hidden, min_dim=1)
+    check.float_tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight (this rank's vocabulary shard) must be [V_r, H] with H = hidden.shape[-1] = "
+            f"{hidden.shape[-1]}, got {check.describe(weight)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError(
+            "weight must have at least one vocabulary row (every tensor-parallel rank must own a "
+            f"non-empty shard), got {check.describe(weight)}"
+        )
+    check.same_device("weight", weight, "hidden", hidden.device)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if bias is not None:
+        check.float_tensor("bias", bias)
+        check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
+        check.same_device("bias", bias, "hidden", hidden.device)
+    ids = check.int_tensor("token_ids", token_ids)
+    check.same_shape("token_ids", ids, "hidden.shape[:-1]", hidden.shape[:-1])
+    check.same_device("token_ids", ids, "hidden", hidden.device)
+    check.positive_float("temperature", temperature)
+    check.integer("ignore_index", ignore_index)
+    if chunk_rows is not None:
+        check.positive_int("chunk_rows", chunk_rows)
+    return ids
+
+
+def _id_stats(ids: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """int64 ``[3]`` on the ids' device: a position-weighted checksum, min and max active id."""
+    flat = ids.reshape(-1).long()
+    if flat.numel() == 0:
+        return torch.tensor([0, _INT64_MAX, _INT64_MIN], dtype=torch.int64, device=ids.device)
+    pos = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+    # Σ (id + c)·w(pos) with odd pseudo-random int64 weights (wrapping arithmetic is fine and
+    # exact, so the sum is order-independent): two id vectors collide with probability ~2^-63.
+    weights = (pos * 0x2545F4914F6CDD1D + 0x1F123BB5) | 1
+    digest = ((flat + 0x51ED27) * weights).sum()
+    active = flat != ignore_index
+    lo = torch.where(active, flat, _INT64_MAX).amin()
+    hi = torch.where(active, flat, _INT64_MIN).amax()
+    return torch.stack([digest, lo, hi])
+
+
+def _descriptor(hidden, weight, bias, ids, temperature, ignore_index, return_entropy, chunk_rows, error):
+    """This rank's int64 descriptor (on the ids' device when the local checks passed)."""
+    host = [0] * _DESC_LEN
+    if error is not None:
+        host[_F["error"]] = 2 if isinstance(error, TypeError) else 1
+        raw = str(error).encode("utf-8")[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
+        host[len(_FIELDS) :] = list(struct.unpack(f"<{_MSG_BYTES // 8}q", raw))
+        return torch.tensor(host, dtype=torch.int64)
+    host[_F["n"]] = ids.numel()
+    host[_F["hidden_size"]] = hidden.shape[-1]
+    host[_F["vocab_local"]] = weight.shape[0]
+    host[_F["dtype"]] = _DTYPES.index(hidden.dtype)
+    host[_F["device_type"]] = (
+        _DEVICE_TYPES.index(hidden.device.type) if hidden.device.type in _DEVICE_TYPES else 0
+    )
+    host[_F["has_bias"]] = int(bias is not None)
+    host[_F["temperature"]] = _float_bits(float(temperature))
+    host[_F["ignore_index"]] = int(ignore_index)
+    host[_F["return_entropy"]] = int(bool(return_entropy))
+    host[_F["hidden_grad"]] = int(hidden.requires_grad and torch.is_grad_enabled())
+    host[_F["chunk_rows"]] = 0 if chunk_rows is None else int(chunk_rows)
+    desc = torch.tensor(host, dtype=torch.int64).to(ids.device)
+    desc[_F["id_hash"] : _F["id_max"] + 1] = _id_stats(ids, int(ignore_index))
+    return desc
+
+
+def _gather(desc: torch.Tensor, group: object, device: torch.device) -> list[list[int]]:
+    desc = desc.to(device)
+    parts = [torch.empty_like(desc) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, desc, group=group)
+    return torch.stack(parts).cpu().tolist()  # the one host read per call
+
+
+def _message(row: list[int]) -> str:
+    raw = struct.pack(f"<{_MSG_BYTES // 8}q", *row[len(_FIELDS) :])
+    return raw.rstrip(b"\0").decode("utf-8", "ignore")
+
+
+def _verdict(table: list[list[int]]) -> tuple[type[Exception], list[str]] | None:
+    """The same ``(exception type, problems)`` on every rank, or ``None`` when the layout agrees."""
+    failed = [r for r, row in enumerate(table) if row[_F["error"]]]
+    if failed:
+        kinds = {table[r][_F["error"]] for r in failed}
+        exc = TypeError if kinds == {2} and len(failed) == len(table) else ValueError
+        by_message: dict[str, list[int]] = {}
+        for r in failed:
+            by_message.setdefault(_message(table[r]), []).append(r)
+        return exc, [
+            f"rank {ranks[0]} rejected its inputs: {msg}"
+            if len(ranks) == 1
+            else f"ranks {ranks} rejected their inputs: {msg}"
+            for msg, ranks in by_message.items()
+        ]
+    problems = []
+    for field, words in _MUST_AGREE:
+        values = [row[_F[field]] for row in table]
+        if len(set(values)) == 1:
+            continue
+        if field == "id_hash":
+            if problems and problems[0].startswith("token count"):
+                continue  # different N: different ids follow, nothing more to say
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            problems.append(f"token_ids differ across ranks: rank(s) {differ} differ from rank 0")
+        else:
+            per_rank = ", ".join(f"rank {r}: {_format(field, v)}" for r, v in enumerate(values))
+            problems.append(f"{words} differs across ranks ({per_rank})")
+    return (ValueError, problems) if problems else None
+
+
+def _raise_for(verdict: tuple[type[Exception], list[str]], world: int, cause: Exception | None) -> None:
+    exc, problems = verdict
+    raise exc(
+        f"vocab-parallel linear_token_logprobs over the {world} ranks of tp_group (every rank "
+        f"raises this error): " + "; ".join(problems)
+    ) from cause
+
+
+def _check_global_range(ids: torch.Tensor, table: list[list[int]], ignore_index: int) -> None:
+    vocab = sum(row[_F["vocab_local"]] for row in table)
+    lo, hi = table[0][_F["id_min"]], table[0][_F["id_max"]]
+    if lo == _INT64_MAX or (lo >= 0 and hi < vocab):  # no active id, or all in range
+        return
+    sizes = " + ".join(str(row[_F["vocab_local"]]) for row in table)
+    try:
+        # The ids are the same on every rank (checksummed), so every rank raises the same message.
+        check.token_ids_in_range("token_ids", ids, vocab, ignore_index)
+    except ValueError as err:
+        raise ValueError(
+            f"{err} (the global vocabulary of tp_group: V = {sizes} = {vocab}; every rank raises this error)"
+        ) from None
+
+
+# ------------------------------------------------------------------------------------- autograd
+_out_dtype_ok: dict[torch.device, bool] = {}
+
+
+def _half_gemm(weight: torch.Tensor) -> bool:
+    """Whether this call's local GEMMs run on the half-precision operands (see :data:`GEMM`)."""
+    if weight.dtype not in (torch.float16, torch.bfloat16) or GEMM == "fp32":
+        return False
+    if GEMM == "half":
+        return True
+    if weight.device.type != "cuda":
+        return False
+    if weight.device not in _out_dtype_ok:  # probed once per device (older torch lacks out_dtype)
+        try:
+            a = torch.ones(16, 16, dtype=weight.dtype, device=weight.device)
+            acc = torch.zeros(16, 16, dtype=torch.float32, device=weight.device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _out_dtype_ok[weight.device] = bool(torch.mm(a, a, out_dtype=torch.float32)[0, 0] == 16)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _out_dtype_ok[weight.device] = False
+    return _out_dtype_ok[weight.device]
+
+
+class _ShardGemms:
+    """The three local GEMMs of one vocabulary shard, for one call (forward or backward).
+
+    fp32 mode (the reference's): the shard is upcast once per call and every product is an fp32
+    GEMM. Half mode: the operands stay bf16/fp16 and cuBLAS accumulates and writes fp32 (the
+    products of half-precision numbers are exact in fp32, so the logits differ from fp32 mode only
+    by summation order); ∂z is rounded to the operand dtype for ``∂z @ W`` and ``∂zᵀ h``.
+    """
+
+    def __init__(self, weight, bias, temperature, half):
+        self.half = half
+        self.acc = torch.float32 if half else ref.acc_dtype(weight)
+        self.w = weight if half else weight.to(self.acc)
+        self.b = None if bias is None else bias.to(self.acc)
+        self.temperature = temperature
+
+    @staticmethod
+    def _mm(a, b):
+        if a.device.type == "cuda":
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return a.float() @ b.float()  # CPU emulation of half mode (tests): the same exact products
+
+    def logits(self, h):
+        """fp32 ``(h @ W_rᵀ + b_r) / T`` for one chunk of rows."""
+        if not self.half:
+            return ref._chunk_logits(h, self.w, self.b, self.temperature)
+        z = self._mm(h, self.w.t())
+        if self.b is not None:
+            z += self.b
+        return z.div_(self.temperature)
+
+    def operand(self, gz):
+        return gz.to(self.w.dtype) if self.half else gz
+
+    def grad_hidden(self, g):
+        """``∂z @ W_r`` in fp32, from :meth:`operand`."""
+        return self._mm(g, self.w) if self.half else g @ self.w
+
+    def add_grad_weight(self, acc, g, h):
+        """``acc += ∂zᵀ h`` (fp32 ``[V_r, H]``), from :meth:`operand`."""
+        if not self.half:
+            acc += g.t() @ h.to(acc.dtype)
+        elif g.device.type == "cuda":
+            torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
+        else:
+            acc += g.t().float() @ h.float()
+
+
+class _VocabParallelLinearLogprobs(torch.autograd.Function):
+    """Chunked vocab-parallel ``hidden @ W_r.T + b_r`` → global logp/entropy; backward recomputes."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, ids, active, group, vocab_start, temperature, chunk_rows, want_ent, half
+    ):
+        n = hidden.shape[0]
+        gemms = _ShardGemms(weight, bias, temperature, half)
+        acc = gemms.acc
+        local = ids - vocab_start
+        owned = active & (local >= 0) & (local < weight.shape[0])
+        local = torch.where(owned, local, 0)
+        lse = torch.zeros(n, dtype=acc, device=hidden.device)
+        logp = torch.zeros_like(lse)
+        entropy = torch.zeros_like(lse)
+        for start in range(0, n, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, n))
+            z = gemms.logits(hidden[rows])
+            m = z.amax(-1)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            z -= m[:, None]  # in place: z − m ≤ 0, one [n, V_r] buffer fewer
+            e = z.exp()
+            target = torch.where(owned[rows], z.gather(-1, local[rows, None]).squeeze(-1), 0.0)
+            parts = [e.sum(-1), target]
+            if want_ent:
+                # e·(z − m) with 0 where e = 0: a −inf logit has p = 0 and contributes nothing.
+                parts.append(torch.where(e > 0, e * z, 0.0).sum(-1))
+            sums = torch.stack(parts)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            log_s = sums[0].log()
+            lse[rows] = m + log_s
+            logp[rows] = sums[1] - log_s
+            if want_ent:
+                entropy[rows] = log_s - sums[2] / sums[0]
+            del z, e
+        logp = torch.where(active, logp, 0.0)
+        entropy = torch.where(active, entropy, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, local, owned, active, lse, entropy)
+        ctx.group, ctx.temperature, ctx.chunk_rows, ctx.want_ent = group, temperature, chunk_rows, want_ent
+        ctx.half = half
+        if not want_ent:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, local, owned, active, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n, width = hidden.shape
+        gemms = _ShardGemms(weight, bias, ctx.temperature, ctx.half)
+        acc = gemms.acc
+        g_logp = torch.where(active, grad_logp.to(acc), 0.0)
+        g_ent = torch.where(active, grad_entropy.to(acc), 0.0) if ctx.want_ent else None
+        g_target = torch.where(owned, g_logp, 0.0)  # the one-hot term lives on the owner rank only
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        # fp32 accumulators across chunks
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        step = ctx.chunk_rows
+        # Blocks of whole chunks: the same block boundaries (and so the same all-reduces) on every rank.
+        block = max(step, (REDUCE_BYTES // (4 * max(width, 1))) // step * step)
+        for b_start in range(0, n, block):
+            b_end = min(b_start + block, n)
+            dh = torch.empty(b_end - b_start, width, dtype=acc, device=hidden.device) if need_h else None
+            for start in range(b_start, b_end, step):
+                rows = slice(start, min(start + step, b_end))
+                z = gemms.logits(hidden[rows])
+                z -= lse[rows, None]  # log p, in place
+                p = z.exp()
+                gz = p * -g_logp[rows, None]
+                gz.scatter_add_(-1, local[rows, None], g_target[rows, None])
+                if g_ent is not None:
+                    log_p = torch.where(p > 0, z, 0.0)
+                    gz -= g_ent[rows, None] * p * (log_p + entropy[rows, None])
+                gz /= ctx.temperature
+                if need_b:
+                    d_bias += gz.sum(0)
+                g = gemms.operand(gz) if need_h or need_w else None
+                if need_h:
+                    dh[start - b_start : rows.stop - b_start] = gemms.grad_hidden(g)
+                if need_w:
+                    gemms.add_grad_weight(d_weight, g, hidden[rows])
+                del z, p, gz, g
+            if need_h:
+                dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=ctx.group)
+                d_hidden[b_start:b_end] = dh.to(hidden.dtype)
+        d_weight = None if d_weight is None else d_weight.to(weight.dtype)
+        d_bias = None if d_bias is None else d_bias.to(bias.dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------- public API
+def vocab_parallel_linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    tp_group: object,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    validate: bool = True,
+    chunk_rows: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Full-vocabulary log-probs (and entropy) from a vocab-sharded LM head, on every rank.
+
+    What ``linear_token_logprobs(..., tp_group=g)`` runs. Rank r of ``g`` holds rows
+    ``[vocab_start_r, vocab_start_r + V_r)`` of the ``[V, H]`` LM head, ``vocab_start_r`` = the sum
+    of the shard sizes of ranks ``< r`` (shards contiguous, in rank order, sizes may differ). Every
+    rank passes the same ``hidden`` and ``token_ids`` and gets the same ``logp``/``entropy``: those
+    of the unsharded head. Collective call: every rank of ``g`` must make it, in the same order.
+
+    Args:
+        hidden: ``[..., H]`` float, replicated across the group.
+        weight: ``[V_r, H]`` this rank's shard (``V_r >= 1``), same dtype and device as ``hidden``.
+            Its gradient (and the bias's) stays local: rank r gets ``dL/dW[vocab_start_r : +V_r]``.
+        token_ids: ``[...]`` integer global ids in ``[0, V)`` (V = Σ V_r) or ``ignore_index``,
+            replicated across the group.
+        tp_group: the tensor-parallel ``torch.distributed.ProcessGroup``. NCCL for CUDA tensors,
+            gloo for CPU tensors.
+        bias: optional ``[V_r]`` shard of the LM-head bias (all ranks or none).
+        temperature, ignore_index, return_entropy: as in :func:`rlkernel.linear_token_logprobs`;
+            the same on every rank.
+        validate: check the ids against the global V (free: it rides on the layout check's single
+            host sync). The layout check itself always runs: it also yields ``vocab_start``.
+        chunk_rows: rows per chunk (the same on every rank); ``None`` sizes chunks for the largest
+            shard with :func:`rlkernel.reference.logprobs.chunk_rows_for`.
+
+    Returns:
+        ``logp`` float32 ``[...]`` (float64 for float64 inputs), or ``(logp, entropy)``.
+        ``dhidden`` is all-reduced in backward, so every rank gets the full gradient.
+
+    Raises:
+        TypeError: ``tp_group`` is not a ProcessGroup (raised locally, before any collective).
+        ValueError: on every rank, with the same message, when any rank's local checks fail (the
+            messages of ``linear_token_logprobs``; a ``TypeError`` if every rank failed a type check)
+            or when N, H, dtype, device type, bias presence, temperature, ignore_index,
+            return_entropy, ``hidden.requires_grad``, ``chunk_rows`` or the ids differ across
+            ranks, or (``validate``) an active id is outside ``[0, V)``.
+    """
+    _check_group("tp_group", tp_group)
+    error = None
+    ids = None
+    try:
+        ids = _local_checks(hidden, weight, bias, token_ids, temperature, ignore_index, chunk_rows)
+    except (TypeError, ValueError) as err:
+        error = err
+    desc = _descriptor(
+        hidden, weight, bias, ids, temperature, ignore_index, return_entropy, chunk_rows, error
+    )
+    table = _gather(desc, tp_group, _collective_device(tp_group, hidden))
+    verdict = _verdict(table)
+    if verdict is not None:
+        _raise_for(verdict, len(table), error)
+    if validate:
+        _check_global_range(ids, table, int(ignore_index))
+    rank = dist.get_rank(tp_group)
+    vocab_start = sum(row[_F["vocab_local"]] for row in table[:rank])
+    n = ids.numel()
+    if chunk_rows is None:
+        chunk_rows = ref.chunk_rows_for(max(row[_F["vocab_local"]] for row in table), n)
+    lead = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    flat_ids, active = ref._prepare_ids(ids, ignore_index)
+    # Ignored rows may hold garbage: zero them so they reach neither the logits nor the gradients.
+    h = torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+    logp, entropy = _VocabParallelLinearLogprobs.apply(
+        h,
+        weight,
+        bias,
+        flat_ids,
+        active,
+        tp_group,
+        vocab_start,
+        float(temperature),
+        int(chunk_rows),
+        bool(return_entropy),
+        _half_gemm(weight),
+    )
+    if return_entropy:
+        return logp.reshape(lead), entropy.reshape(lead)
+    return logp.reshape(lead)
+
+
+def global_normalizers(
+    mask: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    group: object | None = None,
+    count_empty: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(global_tokens, global_seqs)`` of a whole optimizer step, summed over a data-parallel group.
+
+    The normalizers of :func:`rlkernel.policy_loss` / :func:`rlkernel.fused_policy_loss` for a step
+    split into micro-batches (gradient accumulation) and data-parallel ranks: with them, the losses
+    (and gradients) of all micro-batches on all ranks add up to the loss of the whole step.
+    ``global_tokens`` = Σ active tokens; ``global_seqs`` = Σ sequences with at least one active token
+    (the count the ``seq-mean-*`` aggregations use locally), or every sequence with ``count_empty``.
+
+    Args:
+        mask: this rank's masks: one ``[B, T]`` padded mask, one packed ``[N]`` mask with
+            ``cu_seqlens``, or a list of them (one per micro-batch), bool/int/float (nonzero =
+            active), all on one device.
+        cu_seqlens: int ``[S + 1]`` cumulative lengths for packed masks (a list matching a list of
+            masks; ``None`` entries for padded ones); ``None`` for padded masks.
+        group: the data-parallel process group; ``None`` = the default group when torch.distributed
+            is initialized, else no reduction (one process: the local counts are global).
+        count_empty: also count sequences without any active token (TRL and verl divide by every
+            row of the batch).
+
+    Returns:
+        two float32 0-dim tensors on the mask's device (on the current CUDA device for CPU masks
+        with an NCCL group). The counts are summed in int64 (exact) and never read on the host;
+        ``cu_seqlens`` is read on the host to be validated (no sync when it lives on the CPU).
+
+    Raises:
+        TypeError: a mask not a tensor, ``group`` not a ProcessGroup.
+        ValueError: no masks, masks on different devices, a padded mask not 2-D, a packed mask not
+            1-D, bad ``cu_seqlens`` (or a list of a different length).
+    """
+    masks = list(mask) if isinstance(mask, (list, tuple)) else [mask]
+    if not masks:
+        raise ValueError("mask must be a tensor or a non-empty list of micro-batch masks, got an empty list")
+    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
+        cus = [cu_seqlens] * len(masks) if cu_seqlens is None or len(masks) == 1 else None
+        if cus is None:
+            raise ValueError("with a list of masks, cu_seqlens must be a list of the same length (or None)")
+    else:
+        cus = list(cu_seqlens)
+        if len(cus) != len(masks):
+            raise ValueError(f"cu_seqlens has {len(cus)} entries for {len(masks)} masks")
+    device = check.mask_tensor("mask[0]", masks[0]).device
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    for i, (m, cu) in enumerate(zip(masks, cus, strict=True)):
+        name = "mask" if len(masks) == 1 else f"mask[{i}]"
+        m = check.mask_tensor(name, m)
+        check.same_device(name, m, "mask[0]", device)
+        active = m != 0
+        if cu is None:
+            if m.dim() != 2:
+                raise ValueError(
+                    f"{name} must be [B, T] (padded), or 1-D (packed) with cu_seqlens, "
+                    f"got {check.describe(m)}"
+                )
+            per_seq = active.sum(-1)
+        else:
+            if m.dim() != 1:
+                raise ValueError(f"{name} must be 1-D (packed) with cu_seqlens, got {check.describe(m)}")
+            cu = check.cu_seqlens_tensor(
+                "cu_seqlens" if len(masks) == 1 else f"cu_seqlens[{i}]", cu, m.shape[0]
+            )
+            cu = cu.to(device=device, dtype=torch.int64)
+            csum = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), active.long().cumsum(0)])
+            per_seq = csum[cu[1:]] - csum[cu[:-1]]
+        seqs = torch.full((), per_seq.numel(), device=device) if count_empty else (per_seq > 0).sum()
+        counts += torch.stack([active.sum(), seqs])
+    if group is not None:
+        _check_group("group", group)
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        counts = counts.to(_collective_device(group, counts))
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    counts = counts.to(torch.float32)
+    return counts[0], counts[1]

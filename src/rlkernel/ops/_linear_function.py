@@ -1,0 +1,603 @@
+"""The GPU linear path: hidden states → log-probs / entropy / token-level loss, chunk by chunk.
+
+Two autograd Functions share one chunk engine (:class:`_Engine`):
+
+    linear_token_logprobs_triton   the primitive behind ``rlkernel.linear_token_logprobs``: forward
+                                   streams the rows in chunks (1 GEMM); backward recomputes each
+                                   chunk's logits and applies the upstream gradients (1 + 2 GEMMs).
+    fused_linear_token_loss        a token-level loss whose per-token coefficients are known while a
+                                   chunk's logits are live (``coef_fn``): the gradient is computed in
+                                   the forward pass (3 GEMMs in all); backward only scales it.
+
+Rows go in *groups* of ``G`` rows, each group in *chunks* of ``C`` rows (G a multiple of C). The
+group's hidden rows are staged into a fixed ``[G, H]`` buffer; then, per chunk:
+
+    z      = h_c @ Wᵀ (+ b)       cuBLAS, M = C; fp32 output from bf16/fp16 inputs (mm(out_dtype=fp32))
+    logp, entropy, lse             rlkernel.kernels.logprobs forward kernel (fp32 statistics)
+    g_logp, g_entropy              fused loss: coef_fn(rows, logp, entropy); primitive: from autograd
+    Gr[chunk] = ∂L/∂z              the same module's backward kernel, into the group's bf16 gradient
+
+and per group (M = G, resp. K = G):
+
+    dh[group] = Gr @ W             cuBLAS (the K = V reduction in fp32 inside one GEMM)
+    dW       += Grᵀ @ h_group      cuBLAS, fp32 accumulator across groups (addmm(out_dtype=fp32));
+                                   the first group writes it (beta = 0: no zero-fill, no read)
+    db       += Σ_rows Gr          fp32 column sums (no atomics)
+
+Why two levels. The logits chunk C bounds the fp32 logits buffer and fixes the bits of every row
+(see the chunk rule). The group G sets how often the V·H dweight accumulator is read and written
+back: once per group, V·H·8 bytes in fp32 (5 GB at V = 151,936, H = 4096: ~1.5 ms at 3.3 TB/s
+unless cuBLAS hides its epilogue). Larger G costs G·V·2 bytes of gradient buffer.
+
+Numbers for the design (H100, bf16, N = 8192, H = 4096, V = 151,936): each GEMM is 2·N·H·V =
+10.2 TFLOP ≈ 13.6 ms at ~750 TFLOP/s; logits are N·V = 1.25 G values (2.5 GB bf16, 5 GB fp32), and
+the log-softmax kernels stream them at ~3 TB/s (forward 0.8 ms bf16 / ~1.7 ms fp32, backward
+~1.7–2.5 ms). The path is GEMM-bound: the target is the 3 GEMMs (~41 ms) plus a few ms of streaming
+and dweight accumulation. The primitive needs a 4th GEMM because its backward starts only when
+autograd hands it the upstream gradients, when the chunk logits are gone; the fused loss keeps 3.
+``scripts/gpu_check_linear.py`` measures C, G, the logits dtype and the accumulation mode.
+
+Chunk rule (row invariance). cuBLAS picks its algorithm from the problem shape and pointer
+alignment, and different algorithms round differently, so a row's logits would change bits with
+N if the last chunk were shorter. Every logits GEMM therefore has exactly ``C`` rows, read from the
+same offset of the same kind of staging buffer: the tail is zero-padded (pad rows get
+``ignore_index`` ids, hence zero gradient), and C (:func:`chunk_rows_for`) and G
+(:func:`grad_rows_for`) depend only on V and the dtypes, never on N; a row's chunk position (row
+mod G) is fixed by its index. The log-softmax kernels are row-invariant already. Cost: up to C − 1
+padded rows of logits GEMM per call (nothing at N ≫ C; a whole C-row GEMM for a decode-sized N),
+plus one N·H staging copy. The staging also zeroes ignored rows, so garbage (NaN) hidden states at
+ignored positions reach neither dweight nor dbias (as in the reference).
+
+Memory model (b = 4 for fp32 chunk logits, 2 for bf16):
+
+    chunk/group     C·V·b fp32 logits (none with bf16 logits: they live in the gradient buffer)
+                    + G·V·2 gradient + G·H·2 staged hidden
+    dweight         V·H·4 fp32 accumulator (``dweight_accum="fp32"``), cast to the weight's dtype
+                    slab by slab *into the accumulator's own storage* at the end, so that no second
+                    V·H buffer exists at once; or V·H·2 accumulated in the weight's dtype
+                    (``"weight"``: one bf16 rounding per group, half the memory and traffic)
+    dhidden         N·H·2 (an output)
+
+At V = 151,936, H = 4096 the fp32 accumulator alone is 2.49 GB, so peak extra memory with fp32
+accumulation is ~2.5 GB + ~1.3 GB of chunk buffers (defaults), flat in N. The ≤ 1.5 GB budget
+holds for a frozen weight, or with ``dweight_accum="weight"`` and smaller C/G; it cannot hold with
+an fp32 V·H accumulator. The fp32-accumulated dweight returned is a view of the first half of the
+accumulator's storage (the other half is dead but stays allocated as long as the gradient lives).
+
+Upstream scale of the fused loss. The forward computes gradients for upstream gradient 1; backward
+multiplies by the upstream scalar ``g`` without a host sync. For fp32-accumulated dweight the
+multiply is folded into the final fp32 → weight-dtype cast (``torch.mul(acc, g, out=bf16)``: one
+pass that runs anyway); dhidden (N·H) and dbias are multiplied in place (``g == 1`` is exact).
+
+Caveats:
+    * fp64 inputs have no kernel (the public op sends them to the reference).
+    * On CPU (tests, ``TRITON_INTERPRET=1``) ``mm(out_dtype=fp32)`` is unavailable: fp32 chunk logits
+      from half inputs then come from an fp32 copy of the weight made once per call.
+    * Without ``mm(out_dtype=...)`` on the GPU (older torch), chunk logits fall back to bf16 (the
+      kernels still reduce in fp32) and each group's dweight product is rounded to bf16 before the
+      fp32 sum, rather than an O(V·H) fp32 weight copy.
+    * fp32 logits need their gradient in bf16 (tensor-core GEMMs). The logprobs backward launcher
+      asserted equal dtypes (2026-11-21); until it accepts a bf16 output for fp32 logits, the
+      gradient is computed in place in fp32 and cast (one extra read of 4 and write of 2 bytes per
+      logit). ``_bwd_into`` switches to the one-pass path by itself once the launcher takes it.
+    * ``coef_fn`` runs once per chunk on the host; it must not sync (``.item()``), and must be
+      elementwise in the rows it is given (token-level losses). Sequence-level losses (GSPO, GMPO)
+      use the primitive (4 GEMMs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from rlkernel.kernels import logprobs as lk
+
+LogitsDtype = Literal["fp32", "input"]
+DweightAccum = Literal["fp32", "weight"]
+
+# Defaults (see docs/guides/linear-path.md and scripts/gpu_check_linear.py for the measurements).
+# fp32 chunk logits by default: the numerical contract (logp within ~1e-5 of the fp32 reference;
+# bf16 logits are off by up to 3e-2 at V = 151,936 and move the DAPO loss gradient by 4 % rel).
+# "input" (the input dtype, as the model's own LM head and inference engines give) is 5-6 %
+# faster (H100, N = 8192, H = 4096: 1.15x vs 1.22x the 3-GEMM ceiling; 2026-11-21,
+# benchmarks/results/gpu_check_linear_h100_2026-11-21.log).
+DEFAULT_LOGITS_DTYPE: LogitsDtype = "fp32"
+DEFAULT_DWEIGHT_ACCUM: DweightAccum = "fp32"
+# Budgets of one chunk's logits and of one group's gradient; the row counts are the largest
+# powers of two that fit, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]; functions of V and dtypes only.
+# At V = 151,936: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient groups of 4096 rows.
+# Larger chunks and groups measured faster (H100, fp32 logits, fp32 dweight: C/G = 512/2048,
+# 1024/2048, 2048/4096 -> 1.36, 1.28, 1.22x the 3-GEMM ceiling; peak 3.5, 3.8, 5.1 GB): the
+# dweight GEMM's K is the group size, and each group rewrites the fp32 V x H accumulator once.
+CHUNK_BYTES = 1280 << 20
+GRAD_BYTES = 1280 << 20
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 4096
+# Rows of dweight cast per slab at the end of the fp32 accumulation.
+CAST_SLAB_BYTES = 64 << 20
+
+CoefFn = Callable[
+    [slice, torch.Tensor, "torch.Tensor | None"],
+    "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]",
+]
+
+_out_dtype_ok: dict[str, bool] = {}
+
+
+def _mm_out_dtype_supported(device: torch.device) -> bool:
+    """Whether ``torch.mm(bf16, bf16, out_dtype=torch.float32)`` runs on this device type (cached)."""
+    key = device.type
+    if key not in _out_dtype_ok:
+        try:
+            a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+            torch.mm(a, a, out_dtype=torch.float32)
+            acc = torch.zeros(16, 16, dtype=torch.float32, device=device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _out_dtype_ok[key] = bool(acc[0, 0].item() == 16.0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _out_dtype_ok[key] = False
+    return _out_dtype_ok[key]
+
+
+def _pow2_rows(budget: int, per_row: int, lo: int, hi: int) -> int:
+    rows = max(1, budget // max(per_row, 1))
+    return max(lo, min(hi, 1 << (rows.bit_length() - 1)))
+
+
+def chunk_rows_for(vocab: int, logits_dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+    """Rows per logits chunk (the row-invariance unit): the largest power of two whose ``[C, V]``
+    logits fit ``CHUNK_BYTES``, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]. A function of V and the
+    dtypes only, never of N. ``grad_dtype`` is unused today (kept so the rule may count it)."""
+    del grad_dtype
+    return _pow2_rows(CHUNK_BYTES, vocab * logits_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+
+
+def grad_rows_for(vocab: int, grad_dtype: torch.dtype) -> int:
+    """Rows per gradient group (the M of the dhidden GEMM and K of the dweight GEMM): the largest
+    power of two whose ``[G, V]`` gradient fits ``GRAD_BYTES``. Fewer, larger groups mean fewer
+    read-modify-writes of the V·H dweight accumulator (one per group)."""
+    return _pow2_rows(GRAD_BYTES, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+
+
+# Whether kernels.logprobs._token_logprobs_bwd accepts a gradient buffer of another float dtype
+# than the logits (its kernel casts on store; the launcher asserted equal dtypes as of 2026-11-21).
+_MIXED_BWD: bool | None = None
+
+
+def _bwd_into(z, ids, lse, entropy, g_logp, g_ent, grad, temperature, ignore_index):
+    """The logits gradient of one chunk into ``grad``: ``z`` itself (in place) or a contiguous buffer
+    of the inputs' dtype when ``z`` is fp32. The mixed case is one kernel pass if the launcher takes
+    it; otherwise fp32 in place plus a cast copy (one more read of 4 and write of 2 bytes/logit)."""
+    global _MIXED_BWD
+    kw = {"temperature": temperature, "ignore_index": ignore_index}
+    if grad.dtype == z.dtype:
+        lk._token_logprobs_bwd(z, ids, lse, entropy, g_logp, g_ent, grad, **kw)
+        return
+    if _MIXED_BWD is not False:
+        try:
+            lk._token_logprobs_bwd(z, ids, lse, entropy, g_logp, g_ent, grad, **kw)
+            _MIXED_BWD = True
+            return
+        except AssertionError:
+            _MIXED_BWD = False
+    lk._token_logprobs_bwd(z, ids, lse, entropy, g_logp, g_ent, z, **kw)
+    grad.copy_(z)
+
+
+def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """``(acc * scale).to(dtype)`` for a contiguous fp32 ``[V, H]`` accumulator, written slab by slab
+    into the first half of ``acc``'s storage (no second V·H buffer). Slab k ≥ 1 of the output lies
+    in bytes of slabs < k of the input, already consumed (stream order); slab 0 goes via a temporary."""
+    if dtype == acc.dtype:
+        return acc.mul_(scale) if scale is not None else acc
+    v, h = acc.shape
+    out = acc.view(-1).view(dtype)[: v * h].view(v, h)
+    step = max(1, CAST_SLAB_BYTES // max(4 * h, 1))
+    for start in range(0, v, step):
+        rows = slice(start, min(start + step, v))
+        src = acc[rows]
+        if start == 0:  # overlaps its own source: through a slab-sized temporary
+            out[rows].copy_(src * scale if scale is not None else src.to(dtype))
+        elif scale is not None:
+            torch.mul(src, scale, out=out[rows])  # scale and cast in one pass (fp32 math, one rounding)
+        else:
+            out[rows].copy_(src)
+    return out
+
+
+class _Engine:
+    """One call's chunk loop state: staging buffers, the fixed chunk sizes, and the GEMM choices.
+
+    Rows go in *groups* of ``cg`` rows (the backward GEMMs' M, resp. K for dweight), each group in
+    *chunks* of ``c`` rows (the logits GEMM's M: the unit of row invariance). ``cg`` is a multiple
+    of ``c``. Group buffers: hidden rows ``[cg, H]`` and the gradient ``[cg, V]`` (input dtype); the
+    fp32 logits of one chunk ``[c, V]`` (bf16 logits live in the gradient buffer, in place).
+    """
+
+    def __init__(self, hidden, weight, bias, ids, temperature, ignore_index, opts):
+        self.h, self.w, self.ids = hidden, weight, ids
+        self.t, self.ii = float(temperature), int(ignore_index)
+        self.n, self.hdim = hidden.shape
+        self.v = weight.shape[0]
+        dev, dt = hidden.device, hidden.dtype
+        self.w32 = None
+        zdt = dt
+        if dt in (torch.float16, torch.bfloat16) and opts["logits"] == "fp32":
+            if dev.type != "cuda":
+                # CPU (interpreter tests): no mm(out_dtype=...) there; an fp32 weight copy per call.
+                zdt, self.w32 = torch.float32, weight.float()
+            elif _mm_out_dtype_supported(dev):
+                zdt = torch.float32
+        self.zdt = zdt
+        self.c = opts["chunk_rows"] or chunk_rows_for(self.v, zdt, dt)
+        cg = opts["grad_rows"] or grad_rows_for(self.v, dt)
+        self.cg = max(self.c, cg // self.c * self.c)
+        self.hbuf = torch.empty(self.cg, self.hdim, dtype=dt, device=dev)
+        self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)
+        self.zbuf = None if zdt == dt else torch.empty(self.c, self.v, dtype=zdt, device=dev)
+        self.idbuf = torch.full((self.cg,), self.ii, dtype=torch.int64, device=dev)
+        self.bias_z = None if bias is None else bias.to(zdt)
+        self.active = ids != self.ii
+        self.dw_started = False
+
+    def groups(self):
+        for start in range(0, self.n, self.cg):
+            yield slice(start, min(start + self.cg, self.n))
+
+    def stage(self, rows: slice) -> tuple[int, int]:
+        """Copy a group's hidden rows and ids into the fixed buffers (ignored rows zeroed, the tail
+        padded with zero rows and ignore_index ids); returns (real rows, rows of whole chunks)."""
+        n = rows.stop - rows.start
+        m = -(-n // self.c) * self.c
+        hb = self.hbuf
+        hb[:n].copy_(self.h[rows])
+        hb[:n].masked_fill_(~self.active[rows, None], 0)
+        hb[n:m].zero_()
+        self.idbuf[:n].copy_(self.ids[rows])
+        self.idbuf[n:m].fill_(self.ii)
+        return n, m
+
+    def chunk(self, k: int) -> tuple[slice, torch.Tensor]:
+        """Logits of chunk k of the staged group (always ``c`` rows: row invariance)."""
+        sl = slice(k * self.c, (k + 1) * self.c)
+        hb = self.hbuf[sl]
+        z = self.g[sl] if self.zbuf is None else self.zbuf
+        if self.w32 is not None:
+            torch.mm(hb.float(), self.w32.t(), out=z)
+        elif z.dtype != hb.dtype:
+            torch.mm(hb, self.w.t(), out_dtype=z.dtype, out=z)
+        else:
+            torch.mm(hb, self.w.t(), out=z)
+        if self.bias_z is not None:
+            z.add_(self.bias_z)
+        return sl, z
+
+    def stats(self, sl, z, with_entropy):
+        """Forward kernel over one chunk: fp32 ``(logp, entropy or None, lse)``, ``c`` rows each."""
+        c, dev = self.c, z.device
+        lp = torch.empty(c, dtype=torch.float32, device=dev)
+        ls = torch.empty(c, dtype=torch.float32, device=dev)
+        en = torch.empty(c, dtype=torch.float32, device=dev) if with_entropy else None
+        lk._token_logprobs_fwd(z, self.idbuf[sl], lp, en, ls, temperature=self.t, ignore_index=self.ii)
+        return lp, en, ls
+
+    def chunk_grad(self, sl, z, lse, entropy, g_logp, g_ent):
+        """The chunk's logits gradient into rows ``sl`` of the group's gradient buffer."""
+        _bwd_into(z, self.idbuf[sl], lse, entropy, g_logp, g_ent, self.g[sl], self.t, self.ii)
+
+    def group_grads(self, rows, n, m, dh, dw, db):
+        """dhidden rows, dweight and dbias contributions of the staged group (first m rows)."""
+        g, hb = self.g[:m], self.hbuf[:m]
+        if dh is not None:
+            if n == m:
+                torch.mm(g, self.w, out=dh[rows])
+            else:
+                dh[rows] = torch.mm(g, self.w)[:n]
+        if dw is not None:
+            # The first group writes (beta = 0): no zero-fill and no read of the V·H accumulator.
+            first, self.dw_started = not self.dw_started, True
+            if dw.dtype == g.dtype:  # fp32 inputs, or dweight_accum="weight"
+                torch.mm(g.t(), hb, out=dw) if first else dw.addmm_(g.t(), hb)
+            elif g.device.type == "cuda" and _mm_out_dtype_supported(g.device):
+                if first:
+                    torch.mm(g.t(), hb, out_dtype=torch.float32, out=dw)
+                else:
+                    torch.addmm(dw, g.t(), hb, out_dtype=torch.float32, out=dw)
+            elif g.device.type == "cuda":
+                # No mm(out_dtype=...) in this torch: the group's product is rounded to the input
+                # dtype once (a V·H temporary), the sum across groups stays fp32.
+                part = torch.mm(g.t(), hb)
+                dw.copy_(part) if first else dw.add_(part)
+            else:  # CPU: fp32 math on an upcast copy of the group
+                torch.mm(g.t().float(), hb.float(), out=dw) if first else dw.addmm_(g.t().float(), hb.float())
+        if db is not None:
+            db += g.sum(0, dtype=torch.float32)
+
+
+def _padded(x, c, start, n):
+    """fp32 ``[c]`` with ``x[start:start + n]`` first and zeros after (None stays None)."""
+    if x is None:
+        return None
+    out = torch.zeros(c, dtype=torch.float32, device=x.device)
+    out[:n] = x[start : start + n]
+    return out
+
+
+def _dweight_buffer(weight, accum):
+    # Uninitialized: the first group's GEMM writes it (``_Engine.group_grads``); N = 0 zeroes it.
+    dt = torch.float32 if accum == "fp32" else weight.dtype
+    return torch.empty(weight.shape, dtype=dt, device=weight.device)
+
+
+def _finish_dweight(dw, dtype, scale):
+    if dw is None:
+        return None
+    if dw.dtype == dtype:
+        return dw.mul_(scale) if scale is not None else dw
+    return _cast_into_own_storage(dw, dtype, scale)
+
+
+# -------------------------------------------------------------------------------------- primitive
+class _LinearLogprobsFunction(torch.autograd.Function):
+    """logp, entropy = f(hidden, weight, bias); backward recomputes each chunk (4 GEMMs in all)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, return_entropy, opts):
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, opts)
+        dev = hidden.device
+        logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
+        lse = torch.empty(eng.n, dtype=torch.float32, device=dev)
+        entropy = torch.empty(eng.n if return_entropy else 0, dtype=torch.float32, device=dev)
+        for rows in eng.groups():
+            n, m = eng.stage(rows)
+            for k in range(m // eng.c):
+                sl, z = eng.chunk(k)
+                lp, en, ls = eng.stats(sl, z, return_entropy)
+                r = slice(rows.start + sl.start, min(rows.start + sl.stop, rows.stop))
+                cnt = r.stop - r.start
+                logp[r], lse[r] = lp[:cnt], ls[:cnt]
+                if en is not None:
+                    entropy[r] = en[:cnt]
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+        ctx.args = (temperature, ignore_index, return_entropy, opts)
+        ctx.set_materialize_grads(False)
+        if not return_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        temperature, ignore_index, return_entropy, opts = ctx.args
+        none = (None,) * 8
+        if not return_entropy:
+            g_ent = None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
+            return none
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, opts)
+        gl = None if g_logp is None else g_logp.reshape(-1).to(torch.float32)
+        ge = None if g_ent is None else g_ent.reshape(-1).to(torch.float32)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = _dweight_buffer(weight, opts["dweight_accum"]) if need_w else None
+        db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        c = eng.c
+        for rows in eng.groups():
+            n, m = eng.stage(rows)
+            for k in range(m // c):
+                sl, z = eng.chunk(k)
+                start, cnt = rows.start + sl.start, min(c, n - sl.start)
+                ent_c = _padded(entropy, c, start, cnt) if ge is not None else None
+                eng.chunk_grad(
+                    sl,
+                    z,
+                    _padded(lse, c, start, cnt),
+                    ent_c,
+                    _padded(gl, c, start, cnt),
+                    _padded(ge, c, start, cnt),
+                )
+            eng.group_grads(rows, n, m, dh, dw, db)
+        if dw is not None and not eng.dw_started:
+            dw.zero_()
+        del eng
+        dw = _finish_dweight(dw, weight.dtype, None)
+        db = None if db is None else db.to(bias.dtype)
+        return dh, dw, db, None, None, None, None, None
+
+
+def _options(chunk_rows, grad_rows, logits_dtype, dweight_accum):
+    # None: the module defaults, read at call time (so a caller or test can change them).
+    logits_dtype = DEFAULT_LOGITS_DTYPE if logits_dtype is None else logits_dtype
+    dweight_accum = DEFAULT_DWEIGHT_ACCUM if dweight_accum is None else dweight_accum
+    if logits_dtype not in ("fp32", "input"):
+        raise ValueError(f"logits_dtype must be 'fp32' or 'input', got {logits_dtype!r}")
+    if dweight_accum not in ("fp32", "weight"):
+        raise ValueError(f"dweight_accum must be 'fp32' or 'weight', got {dweight_accum!r}")
+    for name, x in (("chunk_rows", chunk_rows), ("grad_rows", grad_rows)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {x!r}")
+    return {
+        "chunk_rows": chunk_rows,
+        "grad_rows": grad_rows,
+        "logits": logits_dtype,
+        "dweight_accum": dweight_accum,
+    }
+
+
+def _flatten(hidden, token_ids):
+    return hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1).long()
+
+
+def linear_token_logprobs_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    chunk_rows: int | None = None,
+    grad_rows: int | None = None,
+    logits_dtype: LogitsDtype | None = None,
+    dweight_accum: DweightAccum | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rlkernel.linear_token_logprobs`` through the chunk engine (inputs already validated).
+
+    Args:
+        hidden ``[..., H]``, weight ``[V, H]``, token_ids ``[...]``, bias ``[V]``: fp16/bf16/fp32.
+        chunk_rows: rows per logits chunk (tests and tuning; ``None``: :func:`chunk_rows_for`). A
+            row's bits depend on it, so production calls leave it None.
+        grad_rows: rows per gradient group (``None``: :func:`grad_rows_for`; rounded down to a
+            multiple of the chunk rows). Changes no logp bit, only the gradient GEMMs' shapes.
+        logits_dtype: ``"fp32"`` chunk logits (from ``mm(out_dtype=fp32)``) or ``"input"`` (the
+            input dtype, e.g. bf16, as the model's own LM head gives); None: ``DEFAULT_LOGITS_DTYPE``.
+        dweight_accum: ``"fp32"`` accumulator across chunks or ``"weight"`` (the weight's dtype).
+
+    Returns:
+        fp32 ``logp [...]``, or ``(logp, entropy)``.
+    """
+    opts = _options(chunk_rows, grad_rows, logits_dtype, dweight_accum)
+    if hidden.dtype == torch.float64:  # no fp64 kernel (fp32 statistics): the reference, in double
+        from rlkernel.reference import logprobs as ref
+
+        return ref.linear_token_logprobs(
+            hidden,
+            weight,
+            token_ids,
+            bias=bias,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=return_entropy,
+        )
+    lead = hidden.shape[:-1]
+    h, ids = _flatten(hidden, token_ids)
+    logp, entropy = _LinearLogprobsFunction.apply(
+        h, weight, bias, ids, float(temperature), int(ignore_index), bool(return_entropy), opts
+    )
+    if return_entropy:
+        return logp.reshape(lead), entropy.reshape(lead)
+    return logp.reshape(lead)
+
+
+# ------------------------------------------------------------------------------------- fused loss
+class _FusedLinearLossFunction(torch.autograd.Function):
+    """loss = Σ_chunks coef_fn(...)[0]; gradients computed in forward for upstream 1 (3 GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, opts):
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, opts)
+        dev = hidden.device
+        # Gradients only where autograd will ask for them (none under torch.no_grad(): 1 GEMM).
+        grad_on = opts["grad_enabled"]
+        need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
+        need_b = grad_on and bias is not None and bias.requires_grad
+        any_grad = need_h or need_w or need_b
+        logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
+        entropy = torch.empty(eng.n, dtype=torch.float32, device=dev) if with_entropy else None
+        loss = torch.zeros((), dtype=torch.float32, device=dev)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = _dweight_buffer(weight, opts["dweight_accum"]) if need_w else None
+        db = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
+        c = eng.c
+        for rows in eng.groups():
+            n, m = eng.stage(rows)
+            for k in range(m // c):
+                sl, z = eng.chunk(k)
+                lp, en, ls = eng.stats(sl, z, with_entropy)
+                start, cnt = rows.start + sl.start, min(c, n - sl.start)
+                r = slice(start, start + cnt)
+                logp[r] = lp[:cnt]
+                if en is not None:
+                    entropy[r] = en[:cnt]
+                with torch.enable_grad():
+                    part, g_logp, g_ent = coef_fn(r, lp[:cnt], None if en is None else en[:cnt])
+                loss += part.detach()
+                if any_grad:
+                    g_logp = _padded(None if g_logp is None else g_logp.detach(), c, 0, cnt)
+                    g_ent = _padded(None if g_ent is None or en is None else g_ent.detach(), c, 0, cnt)
+                    eng.chunk_grad(sl, z, ls, en, g_logp, g_ent)
+            if any_grad:
+                eng.group_grads(rows, n, m, dh, dw, db)
+        if dw is not None and not eng.dw_started:
+            dw.zero_()
+        del eng
+        ctx.grads = (dh, dw, db)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        outs = [logp] + ([entropy] if entropy is not None else [])
+        ctx.mark_non_differentiable(*outs)
+        return (loss, *outs)
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        dh, dw, db = ctx.grads
+        ctx.grads = None
+        w_dtype, b_dtype = ctx.dtypes
+        if g_loss is None:
+            return (None,) * 9
+        scale = g_loss.to(torch.float32)
+        if dh is not None:
+            dh = dh.mul_(scale)  # in place, computed in fp32 (opmath); exact for g == 1
+        if dw is not None:
+            # fp32 accumulator: the scale is folded into the final cast (one pass that runs anyway).
+            dw = _finish_dweight(dw, w_dtype, scale)
+        if db is not None:
+            db = (db * scale).to(b_dtype)
+        return dh, dw, db, None, None, None, None, None, None
+
+
+def fused_linear_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    *,
+    coef_fn: CoefFn,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = False,
+    chunk_rows: int | None = None,
+    grad_rows: int | None = None,
+    logits_dtype: LogitsDtype | None = None,
+    dweight_accum: DweightAccum | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """A token-level loss from hidden states with its gradient computed in the forward pass.
+
+    For each chunk of rows (a ``slice`` into the flattened ``N = hidden.numel() // H`` tokens),
+    ``coef_fn(rows, logp, entropy)`` receives the chunk's fp32 log-probs ``[n]`` (and entropy
+    ``[n]`` when ``with_entropy``, else None) and returns ``(loss_part, g_logp, g_entropy)``: the
+    chunk's 0-dim fp32 contribution to the loss and ∂loss/∂logp, ∂loss/∂entropy ``[n]`` (fp32; None
+    for zero) for upstream gradient 1. Ignored positions (``token_ids == ignore_index``) have logp =
+    entropy = 0 and get no gradient whatever ``coef_fn`` returns for them. It is called once per
+    chunk, in order, under ``torch.enable_grad()`` (so it may use autograd on the detached inputs).
+
+    Returns:
+        ``(loss, logp)`` or ``(loss, logp, entropy)``: ``loss`` 0-dim fp32, differentiable in
+        hidden, weight and bias (whichever require grad; the others' GEMMs are skipped); ``logp``
+        and ``entropy`` fp32 ``[...]`` (the leading shape of hidden), not differentiable.
+        Under ``torch.no_grad()`` no gradient is computed (1 GEMM).
+
+    Args:
+        hidden ``[..., H]``, weight ``[V, H]``, bias ``[V]`` or None: fp16/bf16/fp32, one dtype (the
+            caller validates shapes and ids, as the public ops do; fp64 has no kernel: TypeError).
+        token_ids: ``[...]`` integer ids, ``ignore_index`` at positions outside the loss.
+        chunk_rows, grad_rows, logits_dtype, dweight_accum: as in :func:`linear_token_logprobs_triton`.
+
+    Raises:
+        TypeError: fp64 (or non-float) inputs, or weight/hidden dtypes that differ.
+        ValueError: a bad option.
+    """
+    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"fused_linear_token_loss takes fp16/bf16/fp32 hidden and weight of one dtype, got hidden "
+            f"{hidden.dtype} and weight {weight.dtype} (fp64 has no kernel: use the reference path)"
+        )
+    opts = _options(chunk_rows, grad_rows, logits_dtype, dweight_accum)
+    opts["grad_enabled"] = torch.is_grad_enabled()
+    lead = hidden.shape[:-1]
+    h, ids = _flatten(hidden, token_ids)
+    outs = _FusedLinearLossFunction.apply(
+        h, weight, bias, ids, float(temperature), int(ignore_index), bool(with_entropy), coef_fn, opts
+    )
+    return (outs[0], *(o.reshape(lead) for o in outs[1:]))

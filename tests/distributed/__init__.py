@@ -1,0 +1,1 @@
+"""Tests of rlkernel.distributed (gloo, CPU processes)."""

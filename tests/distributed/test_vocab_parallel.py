@@ -1,0 +1,101 @@
+"""Vocab-parallel linear_token_logprobs and global_normalizers on gloo, in 2 and 3 CPU processes.
+
+The processes start once per world size (module-scoped fixture) and run every check of
+``_workers.CHECKS`` in order; each test below then asserts one check's outcome on every rank, with
+the worker's traceback on failure. Uneven shards: V = 37 split 20/17 and 13/11/13. Workers come
+from a ``forkserver`` that has imported torch and rlkernel once (a fresh interpreter per worker
+costs seconds on CI's 2 cores); the whole module takes a few seconds.
+
+Hangs become failures: every collective has a 20 s gloo timeout, a failing worker exits (its peers
+then fail at once in their next collective), and the fixture gives up after ``DEADLINE_S``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from . import _workers
+
+DEADLINE_S = 120
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()) or sys.platform == "win32",
+    reason="needs torch.distributed with gloo",
+)
+
+
+def _start_method() -> str:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # Workers fork from a server that imported these once; harmless if the server already runs.
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "rlkernel", "rlkernel.distributed"])
+    return "forkserver"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def outcome(request, tmp_path_factory):
+    """``(world, {rank: {check: "ok" | traceback}}, problem)`` after running all checks."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"vocab_parallel_{world}")
+    procs = tmp.start_processes(
+        _workers.run,
+        args=(world, str(out / "rendezvous"), str(out)),
+        nprocs=world,
+        join=False,
+        start_method=_start_method(),
+    )
+    problem = None
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not procs.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                problem = f"the workers did not finish within {DEADLINE_S} s"
+                break
+    except Exception as err:  # ProcessRaisedException / ProcessExitedException: the worker's traceback
+        problem = f"a worker failed outside the checks:\n{err}"
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    results = {}
+    for rank in range(world):
+        path = out / f"rank{rank}.json"
+        results[rank] = json.loads(path.read_text()) if path.exists() else {}
+    return world, results, problem
+
+
+@pytest.mark.parametrize("check", list(_workers.CHECKS))
+def test_check(outcome, check):
+    world, results, problem = outcome
+    failures = []
+    for rank in range(world):
+        status = results[rank].get(check)
+        if status is None:
+            failed = [f"{c} (rank {r})" for r in range(world) for c, s in results[r].items() if s != "ok"]
+            failures.append(f"rank {rank}: not run (earlier failure: {failed or problem})")
+        elif status != "ok":
+            failures.append(f"rank {rank}:\n{status}")
+    if failures:
+        pytest.fail(f"{check} in a {world}-process group:\n" + "\n".join(failures), pytrace=False)
+
+
+def test_normalizers_without_process_group():
+    """One process, torch.distributed not initialized: the local counts are the global ones."""
+    from rlkernel.distributed import global_normalizers
+
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 1, 1]])
+    tokens, seqs = global_normalizers(mask)
+    assert (tokens.item(), seqs.item()) == (4.0, 2.0)
+    tokens, seqs = global_normalizers(
+        [mask.reshape(-1), mask[:2]], cu_seqlens=[torch.tensor([0, 3, 6, 9]), None], count_empty=True
+    )
+    assert (tokens.item(), seqs.item()) == (6.0, 5.0)
