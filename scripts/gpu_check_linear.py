@@ -287,9 +287,31 @@ def fused_correctness(hid, w, b, ids):
     rgrads = torch.autograd.grad(out.loss, rl)
     dl = abs(loss.item() - out.loss.item())
     rg = [rel(a, c) for a, c in zip(grads, rgrads, strict=True)]
+    # Same precision first: the composed GPU path (the engine's primitive, whose backward also rounds
+    # dL/dlogits to bf16 before its GEMMs, + policy_loss autograd) must agree closely.
+    cl = [t.detach().requires_grad_(True) for t in (hid, w, b)]
+    clogp = lf.linear_token_logprobs_triton(cl[0], cl[1], d["ids"], bias=cl[2], temperature=T)
+    cout = rk.policy_loss(
+        clogp.reshape(shp),
+        d["old"].reshape(shp),
+        d["adv"].reshape(shp),
+        d["mask"].reshape(shp),
+        cfg,
+        ref_logp=d["ref"].reshape(shp),
+    )
+    cgrads = torch.autograd.grad(cout.loss, cl)
+    rc = [rel(a, c) for a, c in zip(grads, cgrads, strict=True)]
     status(
-        dl <= 1e-4 * max(1.0, abs(out.loss.item())) and max(rg) <= 1e-2,
-        "fused DAPO-KL loss vs policy_loss(reference logp)",
+        abs(loss.item() - cout.loss.item()) <= 1e-5 * max(1.0, abs(cout.loss.item())) and max(rc) <= 2e-3,
+        "fused DAPO-KL vs composed GPU path (same bf16 gradient rounding)",
+        f"loss {loss.item():.6f} vs {cout.loss.item():.6f}, grad rel (h, W, b) "
+        + ", ".join(f"{x:.2e}" for x in rc),
+    )
+    # Against the fp32 reference, whose backward GEMMs run in fp32: the bf16 rounding of dL/dlogits
+    # (2.8e-3 for the primitive) is amplified by the tokens that flip across a clip boundary.
+    status(
+        dl <= 1e-4 * max(1.0, abs(out.loss.item())) and max(rg) <= 2e-2,
+        "fused DAPO-KL loss vs policy_loss(fp32 reference logp)",
         f"loss {loss.item():.6f} vs {out.loss.item():.6f}, grad rel (h, W, b) "
         + ", ".join(f"{x:.2e}" for x in rg),
     )
@@ -303,7 +325,7 @@ def fused_correctness(hid, w, b, ids):
     rg2 = [rel(a, c) for a, c in zip(grads2, rgrads, strict=True)]
     dl2 = abs(loss2.item() - out.loss.item())
     status(
-        dl2 <= 1e-4 * max(1.0, abs(out.loss.item())) and max(rg2) <= 1e-2,
+        dl2 <= 1e-4 * max(1.0, abs(out.loss.item())) and max(rg2) <= 2e-2,
         "fused DAPO-KL loss with the token_loss plan coef_fn vs policy_loss(reference logp)",
         f"loss {loss2.item():.6f}, grad rel (h, W, b) " + ", ".join(f"{x:.2e}" for x in rg2),
     )

@@ -326,7 +326,9 @@ def test_default_half_logits(monkeypatch):
     assert (full - want).abs().max() < 2e-5
 
 
-@pytest.mark.parametrize("preset", ["dapo", "cispo", "gspo"])
+@pytest.mark.parametrize(
+    "preset", ["ppo", "grpo", "dapo", "dr_grpo", "gspo", "luspo", "cispo", "sapo", "gmpo"]
+)
 def test_fused_policy_loss_hidden_path_matches_reference_backend(preset, monkeypatch):
     """rk.fused_policy_loss(hidden=...) on the Triton backend (token-level configs: the chunk engine
     driven by the token-loss plan; gspo: the primitive) equals the reference backend: loss, grads
@@ -355,10 +357,11 @@ def test_fused_policy_loss_hidden_path_matches_reference_backend(preset, monkeyp
         return out, grads
 
     out, grads = run()
-    assert len(calls) == (0 if preset == "gspo" else 1)  # sequence-level gspo: the primitive
+    sequence_level = preset in ("gspo", "luspo", "gmpo")  # the primitive path
+    assert len(calls) == (0 if sequence_level else 1)
     with rk.use_backend("reference"):
         want, want_grads = run()
-    assert len(calls) == (0 if preset == "gspo" else 1)
+    assert len(calls) == (0 if sequence_level else 1)
     torch.testing.assert_close(out.loss, want.loss, atol=2e-6, rtol=1e-5)
     for got, exp in zip(grads, want_grads, strict=True):
         assert rel(got, exp) < 1e-4
