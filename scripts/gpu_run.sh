@@ -40,7 +40,7 @@ STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 
 step_cmd() {
   case "$1" in
-    pytest) echo "python3 -m pytest tests -q -x -p no:cacheprovider ${PYTEST_ARGS:-}" ;;
+    pytest) echo "python3 -m pytest ${PYTEST_PATHS:-tests} -q -p no:cacheprovider ${PYTEST_ARGS:-}" ;;
     check_logprobs) echo "python3 scripts/gpu_check_logprobs.py --no-bench" ;;
     check_loss) echo "python3 scripts/gpu_check_loss.py" ;;
     check_linear) echo "python3 scripts/gpu_check_linear.py" ;;

@@ -1,4 +1,4 @@
-"""The ``rlkernel`` command: ``rlkernel demo | bench``."""
+"""The ``rlkernel`` command: ``rlkernel demo | bench | consistency``."""
 
 from __future__ import annotations
 
@@ -22,11 +22,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_consistency(sub: argparse._SubParsersAction) -> None:
+    from rlkernel.invariant.consistency import add_arguments, run
+
+    p = sub.add_parser(
+        "consistency",
+        help="rollout (KV-cache decode) vs training (prefill) log-probs, unpatched vs batch-invariant",
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlkernel", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_bench(sub)
+    _add_consistency(sub)
     return parser
 
 

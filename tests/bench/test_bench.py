@@ -110,7 +110,7 @@ def test_readme_without_markers_is_a_clear_error(smoke, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["nope", "--smoke"], "unknown suite 'nope'; available suites: linear, logits"),
+        (["nope", "--smoke"], "unknown suite 'nope'; available suites: invariant, linear, logits"),
         (["logits", "--smoke", "--impl", "torch,foo"], "unknown implementation 'foo' for suite 'logits'"),
         (["logits", "--smoke", "--workload", "ppo"], "unknown workload 'ppo' for suite 'logits'"),
         ([], "name a suite"),

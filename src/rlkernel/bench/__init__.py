@@ -17,8 +17,8 @@ import importlib
 from rlkernel.bench.harness import BenchError, Suite
 
 # One module per suite, each defining ``SUITE``: logits (log-probs and losses from logits), linear
-# (LM head + loss from hidden states).
-_SUITE_MODULES = ("logits", "linear")
+# (LM head + loss from hidden states), invariant (the batch-invariant forward chain).
+_SUITE_MODULES = ("logits", "linear", "invariant")
 
 
 def _load_suites() -> dict[str, Suite]:

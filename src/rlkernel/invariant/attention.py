@@ -1,0 +1,281 @@
+"""Batch-invariant causal GQA attention: prefill (padded or packed), chunked prefill, KV-cache decode.
+
+``attention(q, k, v)`` gives every query row an output that depends only on its own query and on
+the keys/values of its own sequence at positions ≤ its own, computed in the same order with the same
+formula whatever else is processed with it: the batch, the padding side and amount, the number of
+queries processed together (full prefill, chunked prefill, one-token decode), the cache length, or
+the position in a packed stream. So a token scored by KV-cache decode at batch 1 gets the same bits
+as the same token scored by a training prefill at batch 32.
+
+Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the oracle and CPU path
+``rlkernel.reference.attention``):
+
+* Query alignment: query i of a sequence with Tq queries and Tk keys sits at key position
+  p = Tk − Tq + i (bottom-right causal alignment), which covers prefill (Tq = Tk), chunked prefill
+  and decode against a cache (Tq < Tk) with one rule.
+* Key blocks are anchored at the sequence's first real key s (``key_start``, the left-padding
+  amount; 0 for right padding and packed sequences): [s, s+BN), [s+BN, s+2BN), … in that order,
+  with BN fixed per (head_dim, dtype). A left-padded decode batch, a right-padded prefill and a
+  packed stream therefore cut a sequence's keys into the same blocks. Anchoring at the tensor index
+  instead would shift the block boundaries by the padding amount and change the sums.
+* One online-softmax formula (base 2, c = scale·log2 e as one fp32 constant, fp32 accumulation),
+  one kernel for prefill and decode, one launch configuration (BLOCK_M, BLOCK_N, num_warps) per
+  (head_dim, dtype) whatever the shapes: a decode step is the same kernel with only the rows of its
+  last query active. Every key block is masked with the same ``where`` (a single loop, no separate
+  unmasked fast path: a different instruction sequence could contract the scale into an FMA
+  differently). A row's blocks past its diagonal are fully masked and are exact no-ops
+  (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
+* Two-level online softmax (DISABLED in production since 2026-11-22: ``SPLIT_N`` = 2^30, so every
+  call is one split, i.e. the one-level softmax above; the H100 check "HF adapter decode vs
+  prefill" failed with SPLIT_N = 1024, see
+  benchmarks/results/gpu_check_attention_h100_2026-11-21_split.log, and split-decode gained almost
+  nothing). The design, kept for the tests: the keys are also cut into fixed splits of ``SPLIT_N`` keys
+  anchored at s (a constant, a multiple of BN); each split runs the online softmax above from a
+  fresh state and the split states are merged in split order by one merge formula. A prefill runs
+  it in one program per row tile; a KV-cache decode step whose grid would leave SMs idle runs one
+  program per split and a small merge kernel (split-decode). Both kernels share the per-split,
+  merge and finish helpers and are compiled without FP contraction, so both round alike; which
+  path a call takes never changes its bits.
+* Rows are (query, q-head-of-the-GQA-group) pairs, so a kv head's K/V block is loaded once for its
+  whole group; a row's result does not depend on which tile row it occupies (each MMA output element
+  is accumulated by the same instruction sequence). ``scripts/gpu_check_attention.py`` checks this
+  on the GPU (decode vs prefill vs chunked, batch 1 vs 32, left vs right padding, packed).
+
+Backward (training): FlashAttention-2 style, deterministic, not required to be batch-invariant:
+delta = rowsum(dO·O); one program per key block computes dK, dV looping over the GQA group's q heads
+and then query blocks in a fixed order; one program per query block computes dQ. P is recomputed
+from the saved base-2 LSE. No atomics. Kernels: ``rlkernel.kernels.attention`` (forward) and
+``rlkernel.kernels.attention_bwd``, behind the custom ops ``rlkernel::invariant_attention_fwd``/``_bwd``
+(``torch.compile(fullgraph=True)`` traces them).
+
+Caveats:
+    * head_dim ≤ 256. fp64 inputs run the reference (no kernel).
+    * Split-decode needs the padded form (the grid is sized from the cache length without a host
+      sync); packed inputs always take the one-pass kernel (same bits).
+    * The packed form validates ``cu_seqlens`` on the host (one sync per call); the padded form
+      needs none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlkernel import _dispatch
+from rlkernel import _validate as check
+from rlkernel.reference import attention as ref
+
+MAX_HEAD_DIM = 256
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------ custom ops
+# The kernels run behind opaque torch.library ops so that torch.compile traces a call instead of
+# breaking the graph at a Triton launch. The bodies import the kernels lazily: registering the ops
+# needs no Triton, and TRITON_INTERPRET must be set before the kernels module is first imported.
+@torch.library.custom_op("rlkernel::invariant_attention_fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_start: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from rlkernel.kernels import attention as kern
+
+    return kern.attention_fwd(
+        q,
+        k,
+        v,
+        scale=scale,
+        key_start=key_start,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+    )
+
+
+@_fwd_op.register_fake
+def _(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
+    total_q = q.shape[0] if cu_seqlens_q is not None else q.shape[0] * q.shape[1]
+    lse = q.new_empty((q.shape[-2], total_q), dtype=torch.float32)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
+
+
+@torch.library.custom_op("rlkernel::invariant_attention_bwd", mutates_args=())
+def _bwd_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_start: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from rlkernel.kernels import attention_bwd as kern
+
+    return kern.attention_bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale=scale,
+        key_start=key_start,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+    )
+
+
+@_bwd_op.register_fake
+def _(grad_out, q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _call(op, *args):
+    # Eager calls run the op's Python body directly (the torch.library dispatcher costs host time
+    # per call, and decode is host bound); traced code (torch.compile) sees the registered op.
+    return op(*args) if torch.compiler.is_compiling() else op._init_fn(*args)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
+        out, lse = _call(_fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
+        ctx.save_for_backward(q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k)
+        ctx.scale = scale
+        ctx.max_seqlen_q = max_seqlen_q
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, key_start, cu_q, cu_k = ctx.saved_tensors
+        args = (grad_out.contiguous(), q, k, v, out, lse, key_start, cu_q, cu_k, ctx.max_seqlen_q, ctx.scale)
+        dq, dk, dv = _call(_bwd_op, *args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+    q = check.float_tensor("q", q)
+    k = check.float_tensor("k", k)
+    v = check.float_tensor("v", v)
+    for name, t in (("k", k), ("v", v)):
+        check.same_device(name, t, "q", q.device)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {check.describe(t)}")
+    check.same_shape("v", v, "k", k.shape)
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    n_dim = 3 if packed else 4
+    form = "[N, H, D] (packed, with cu_seqlens)" if packed else "[B, T, H, D]"
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != n_dim:
+            raise ValueError(f"{name} must be {form}, got {check.describe(t)}")
+    d = q.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have head_dim {d} (the last dim of q), got {check.describe(k)}")
+    if d < 1 or d > MAX_HEAD_DIM:
+        raise ValueError(f"q must have 1 <= head_dim <= {MAX_HEAD_DIM}, got {check.describe(q)}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of q heads ({hq}) must be a multiple of the number of kv heads ({hkv}): "
+            f"q {check.describe(q)}, k {check.describe(k)}"
+        )
+    if packed:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (packed form)")
+        if key_start is not None:
+            raise ValueError("key_start applies to the padded form only; packed sequences start at 0")
+        check.cu_seqlens_tensor("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        check.cu_seqlens_tensor("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        check.same_device("cu_seqlens_q", cu_seqlens_q, "q", q.device)
+        check.same_device("cu_seqlens_k", cu_seqlens_k, "q", q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+                f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+            )
+        len_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        len_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        if bool((len_q > len_k).any()):
+            raise ValueError("every sequence needs at least as many keys as queries (cu_seqlens_q/_k)")
+        if max_seqlen_q is None:
+            max_seqlen_q = int(len_q.max().item()) if len_q.numel() else 0
+        else:
+            check.integer("max_seqlen_q", max_seqlen_q)
+    else:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"k must have the batch size of q ({q.shape[0]}), got {check.describe(k)}")
+        if k.shape[1] < q.shape[1]:
+            raise ValueError(
+                f"k must have at least as many positions as q (Tk >= Tq), got q {check.describe(q)}, "
+                f"k {check.describe(k)}"
+            )
+        if key_start is not None:
+            check.int_tensor("key_start", key_start)
+            check.same_shape("key_start", key_start, "the batch of q", (q.shape[0],))
+            check.same_device("key_start", key_start, "q", q.device)
+        max_seqlen_q = q.shape[1]
+    return max_seqlen_q
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    key_start: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal grouped-query attention whose every row is bitwise batch-invariant.
+
+    Query i of a sequence with Tq queries and Tk keys sits at key position Tk − Tq + i and attends to
+    keys ``key_start ≤ j ≤ Tk − Tq + i`` of its own sequence: ``Tq == Tk`` is a prefill, ``Tq < Tk``
+    a chunked prefill or a decode step against a KV cache of ``Tk`` entries.
+
+    Args:
+        q: ``[B, Tq, Hq, D]`` (padded) or ``[Nq, Hq, D]`` (packed). fp16/bf16/fp32 (fp64: reference).
+            Any strides with a unit last stride are read in place (e.g. HF's ``[B, H, T, D]``
+            tensors ``.transpose(1, 2)``).
+        k, v: ``[B, Tk, Hkv, D]`` or ``[Nk, Hkv, D]``, same dtype/device as ``q``; ``Hq % Hkv == 0``
+            (q head h reads kv head ``h // (Hq // Hkv)``); ``Tk >= Tq``; ``D <= 256``.
+        scale: softmax scale; default ``D ** -0.5``.
+        key_start: ``[B]`` integer tensor on q's device, the first valid key of each sequence (the
+            amount of left padding); keys before it are ignored and query rows before it output 0.
+            Default: every sequence starts at key 0 (no padding, or right padding).
+        cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` cumulative sequence lengths of the packed form (both
+            or neither); sequence i has queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys
+            ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``.
+        max_seqlen_q: packed form only: the longest query length (saves a host sync).
+
+    Returns:
+        Tensor shaped like ``q`` in ``q.dtype``. Differentiable (deterministic backward).
+
+    Raises:
+        TypeError/ValueError naming the argument on a wrong type, dtype, shape or device.
+    """
+    max_seqlen_q = _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check.positive_float("scale", scale)
+    backend = _dispatch.resolve_backend(q.device, has_kernel=q.dtype in _KERNEL_DTYPES)
+    if backend == "reference":
+        return ref.attention(
+            q, k, v, scale=scale, key_start=key_start, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+        )
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
+        # No gradient wanted (rollout, decode): the forward op without the autograd Function's
+        # host overhead; the same op, so the same bits.
+        return _call(_fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)[0]
+    return _AttentionFunction.apply(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)

@@ -1,0 +1,222 @@
+"""Batch-invariant ``matmul`` and ``linear``: every output row bitwise independent of the batch.
+
+``linear(x, weight, bias)`` covers every GEMM of a decoder layer (q/k/v/o projections, the MLP, the
+LM head); ``matmul(a, b)`` is the same kernel with ``weight = b.T`` (a view, no copy).
+
+Backends (``rlkernel._dispatch``): the Triton kernel of :mod:`rlkernel.kernels.matmul` on CUDA for
+fp16/bf16/fp32; the row-by-row reference of :mod:`rlkernel.reference.matmul` on CPU and for fp64.
+Both are batch invariant in forward: the kernel by one K-reduction order per dtype, shared by every
+launch configuration its shape-aware table (``MODE = "tuned"``) can pick, which the GPU script
+re-verifies (see the kernel module); the reference by computing every row through an identical
+fixed-shape call.
+
+Backward (training): ``dx = dy @ weight``, ``dweight = dy.T @ x``, ``dbias = Σ_rows dy``, all with
+fp32 accumulation. On the Triton backend both GEMMs run through the same kernel by default
+(``BACKWARD_GEMM = "kernel"``: no split-K, no atomics, deterministic by construction) or through
+cuBLAS (``"torch"``), and ``dbias`` through ``torch.sum`` (a fixed-order tree reduction on CUDA,
+no atomics). On the reference backend they are plain ``torch.mm`` in fp32.
+Batch invariance is a forward property; ``dweight`` sums over the batch and naturally depends on it.
+
+The kernels are registered as ``torch.library`` custom ops (``rlkernel::invariant_linear``), so
+``torch.compile(fullgraph=True)`` traces calls to them instead of breaking at a Triton launch.
+
+Caveats:
+    * Under autocast the inputs are cast to the autocast dtype first (as ``F.linear`` does).
+    * The kernel and the reference give different (both accurate) bits: invariance holds within one
+      backend. A rollout and a trainer must use the same backend, GPU model, Triton version and
+      kernel table (``rlkernel.kernels.matmul.MODE``/``TUNED``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from rlkernel import _dispatch
+from rlkernel import _validate as check
+from rlkernel.reference import matmul as ref
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# The two backward GEMMs on the Triton backend: "kernel" (the invariant kernel: no split-K, no
+# atomics, deterministic by construction) or "torch" (cuBLAS: deterministic run to run on one GPU
+# with its default no-atomics mode and one stream, and faster on shapes the kernel tiles poorly).
+# scripts/gpu_check_invariant_ops.py times and checks both; a one-line switch.
+BACKWARD_GEMM = "kernel"
+
+
+_kernel_found: bool | None = None
+
+
+def _kernel_available() -> bool:
+    # Cached in a module global (looked up once; a per-call find_spec would cost host time per op).
+    global _kernel_found
+    if _kernel_found is None:
+        _kernel_found = importlib.util.find_spec("rlkernel.kernels.matmul") is not None
+    return _kernel_found
+
+
+# ------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("rlkernel::invariant_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T (+ bias)`` through the Triton kernel; ``[M, N]`` in x's dtype."""
+    from rlkernel.kernels import matmul as kernels
+
+    return kernels.matmul(x, weight.t(), bias=bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("rlkernel::invariant_mm", mutates_args=())
+def _mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` (any strides) through the Triton kernel; used by the backward."""
+    from rlkernel.kernels import matmul as kernels
+
+    return kernels.matmul(a, b)
+
+
+@_mm_op.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _call(op, *args):
+    # Eager calls run the op's Python body directly (the dispatcher costs host time per call);
+    # traced code (torch.compile) sees the registered op.
+    return op(*args) if torch.compiler.is_compiling() else op._init_fn(*args)
+
+
+# -------------------------------------------------------------------------------------- autograd
+def _linear_fwd(x, weight, bias, backend):
+    return _call(_linear_op, x, weight, bias) if backend == "triton" else ref.linear(x, weight, bias)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``out = x @ weight.T + bias`` on 2-D ``x``; forward batch invariant, backward deterministic."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, backend):
+        out = _linear_fwd(x, weight, bias, backend)
+        ctx.save_for_backward(x, weight)
+        ctx.backend = backend
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if ctx.backend == "triton" and BACKWARD_GEMM == "kernel":
+            dy = grad_out.contiguous()
+            if need_x:
+                dx = _call(_mm_op, dy, weight)  # [M, N] @ [N, K]
+            if need_w:
+                dw = _call(_mm_op, dy.t(), x)  # [N, M] @ [M, K]
+        elif ctx.backend == "triton":  # cuBLAS in the inputs' dtype (fp32 accumulation)
+            if need_x:
+                dx = torch.mm(grad_out, weight)
+            if need_w:
+                dw = torch.mm(grad_out.t(), x)
+        else:
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            dy = grad_out.to(acc)
+            if need_x:
+                dx = torch.mm(dy, weight.to(acc)).to(x.dtype)
+            if need_w:
+                dw = torch.mm(dy.t(), x.to(acc)).to(weight.dtype)
+        if need_b and ctx.has_bias:
+            db = grad_out.to(torch.float64 if x.dtype == torch.float64 else torch.float32).sum(0)
+            db = db.to(weight.dtype)
+        return dx, dw, db, None
+
+
+# ---------------------------------------------------------------------------------------- public
+def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    device_type = tensors[0].device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
+    return tensors
+
+
+def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str]) -> None:
+    xn, wn = names
+    check.float_tensor(xn, x, min_dim=1)
+    check.float_tensor(wn, weight)
+    if weight.dim() != 2:
+        raise ValueError(f"{wn} must be 2-D, got {check.describe(weight)}")
+    check.same_device(wn, weight, xn, x.device)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{wn} dtype {weight.dtype} must match {xn} dtype {x.dtype}")
+    if bias is not None:
+        check.float_tensor("bias", bias)
+        check.same_shape("bias", bias, f"{wn}.shape[:1]", weight.shape[:1])
+        check.same_device("bias", bias, xn, x.device)
+        if bias.dtype != x.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} must match {xn} dtype {x.dtype}")
+
+
+def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype in KERNEL_DTYPES and _kernel_available())
+    if torch.is_grad_enabled() and (
+        x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        out = _LinearFunction.apply(x2, weight, bias, backend)
+    else:  # no gradient wanted: the same forward without the autograd Function's host overhead
+        out = _linear_fwd(x2, weight, bias, backend)
+    return out.reshape(*lead, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant ``x @ weight.T + bias`` (``torch.nn.functional.linear``), differentiable.
+
+    Each output row is bitwise identical whatever else is in the batch (M = 1 … 100k rows, slices,
+    padding): one K-reduction order per (dtype, N, K), no split-K, no autotuning. Accumulation is
+    fp32 (fp64 for fp64 inputs); the result is rounded once to ``x``'s dtype, bias included.
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16/float32/float64 (leading dims are rows).
+        weight: ``[N, K]`` as in ``nn.Linear``, same dtype and device as ``x``.
+        bias: optional ``[N]``, same dtype and device.
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype.
+
+    Raises:
+        TypeError: non-float inputs, mismatched dtypes.
+        ValueError: weight not 2-D, ``weight.shape[1] != x.shape[-1]``, bias not ``[N]``, devices differ.
+    """
+    _check_linear(x, weight, bias, ("x", "weight"))
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {check.describe(weight)}"
+        )
+    x, weight, bias = _autocast(x, weight, bias)
+    return _linear_2d(x, weight, bias)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant ``a @ b``, differentiable: ``linear(a, b.T)`` (a view, no copy).
+
+    Args:
+        a: ``[..., K]`` float16/bfloat16/float32/float64.
+        b: ``[K, N]``, same dtype and device.
+
+    Returns:
+        ``[..., N]`` in ``a``'s dtype.
+
+    Raises:
+        TypeError / ValueError: as :func:`linear` (naming ``a`` and ``b``).
+    """
+    _check_linear(a, b, None, ("a", "b"))
+    if b.shape[0] != a.shape[-1]:
+        raise ValueError(f"b must be [K, N] with K = a.shape[-1] = {a.shape[-1]}, got {check.describe(b)}")
+    a, b = _autocast(a, b)
+    return _linear_2d(a, b.t(), None)

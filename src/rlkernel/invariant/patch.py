@@ -1,0 +1,187 @@
+"""Route an HF ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` through the batch-invariant kernels, and back.
+
+What :func:`patch_hf_model` changes, in place (and :func:`unpatch_hf_model` undoes):
+
+    every nn.Linear (q/k/v/o, gate/up/down, lm_head)   -> rlkernel.invariant.matmul.linear
+    every Qwen3RMSNorm / LlamaRMSNorm (incl. q/k_norm) -> rlkernel.invariant.rmsnorm.rms_norm (same eps)
+    attention                                           -> rlkernel.invariant.hf_attention, registered
+                                                           in transformers' AttentionInterface (and its
+                                                           mask function in AttentionMaskInterface)
+
+How: each patched module's ``__class__`` is swapped for a subclass of its own class whose only
+difference is ``forward`` (``InvariantLinear`` is a ``Linear``; ``isinstance`` checks keep working).
+The module objects, their parameters and buffers are untouched, so ``state_dict``, optimizers built
+before or after patching, ``requires_grad`` flags, hooks and LoRA wrappers (which call the base layer's
+forward) keep working. Attention goes through the model's attention implementation name
+(``model.set_attn_implementation``, or ``config._attn_implementation`` on transformers versions where
+that method does not take a registered custom name), so ``generate()`` with its KV cache, padding masks
+and packed ``position_ids`` reach the invariant attention through HF's own code path.
+
+Left as HF has them, because they are batch invariant already (tests/invariant/test_patch.py checks
+this with ``torch.equal`` rather than assuming it): the token embedding (a gather), RoPE (cos/sin of
+``position × inv_freq`` and the rotate-half multiply-add: elementwise per token), SiLU(gate) * up and
+the residual adds (elementwise). None of these reduce across tokens, so no batch shape can change the
+order of any floating-point sum.
+
+Caveats:
+    * Only the two architectures above (and their base ``Qwen3Model`` / ``LlamaModel``). Other models
+      raise TypeError: their modules (fused qkv, different norms, sliding windows, MoE routing) would
+      need their own review before anything could be called invariant.
+    * A module whose ``forward`` was replaced per instance (accelerate's offloading hooks with
+      ``device_map``) keeps that instance forward; patch before dispatching such a model, or do not.
+    * The invariant kernels fix one reduction order for every batch shape, which is not always the
+      fastest order cuBLAS/FlashAttention would pick: see ``rlkernel bench invariant``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Imported once here, not inside the forwards: a decode step calls them ~10 times per layer.
+from rlkernel.invariant.matmul import linear as _linear
+from rlkernel.invariant.rmsnorm import rms_norm as _rms_norm
+
+SUPPORTED_MODELS = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3Model", "LlamaModel")
+_NORM_CLASSES = ("Qwen3RMSNorm", "LlamaRMSNorm")
+# Stored on the patched model: what unpatch needs to restore.
+_STATE = "_rlkernel_invariant_state"
+# Stored on each swapped class: the class it replaced.
+_ORIGINAL = "_rlkernel_original_class"
+_swapped_classes: dict[type, type] = {}
+
+
+def _invariant_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return _linear(input, self.weight, self.bias)
+
+
+def _invariant_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return _rms_norm(hidden_states, self.weight, eps=self.variance_epsilon)
+
+
+def _swapped_class(cls: type, forward: Any) -> type:
+    """A subclass of ``cls`` that differs only in ``forward`` (cached: one per original class).
+
+    It is also bound as a module attribute under its own name, so a pickled patched model (e.g.
+    ``torch.save(model)``) finds it again."""
+    if cls not in _swapped_classes:
+        name = f"Invariant{cls.__name__}"
+        while name in globals():  # two original classes of one name from different modules
+            name += "_"
+        new = type(
+            name, (cls,), {"forward": forward, _ORIGINAL: cls, "__module__": __name__, "__doc__": cls.__doc__}
+        )
+        globals()[name] = _swapped_classes[cls] = new
+    return _swapped_classes[cls]
+
+
+def _supported_classes() -> tuple[type, ...]:
+    from transformers import LlamaForCausalLM, LlamaModel, Qwen3ForCausalLM, Qwen3Model
+
+    return (Qwen3ForCausalLM, LlamaForCausalLM, Qwen3Model, LlamaModel)
+
+
+def _check_model(model: Any, fn: str) -> None:
+    if not isinstance(model, nn.Module) or not isinstance(model, _supported_classes()):
+        raise TypeError(
+            f"{fn}: model must be one of transformers' {', '.join(SUPPORTED_MODELS)} (or a subclass), "
+            f"got {type(model).__module__}.{type(model).__qualname__}"
+        )
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` is currently patched by :func:`patch_hf_model`."""
+    return getattr(model, _STATE, None) is not None
+
+
+def _set_attn_implementation(model: nn.Module, name: str) -> None:
+    """Point the model (and every config in it) at attention implementation ``name``.
+
+    ``model.set_attn_implementation`` accepts a name registered in ``AttentionInterface`` on
+    transformers 5.23 (tested); on versions where it is missing or refuses the name, the config
+    attribute (which every version reads in its attention layers) is set directly.
+    """
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        try:
+            setter(name)
+        except (ValueError, KeyError, AttributeError, TypeError):
+            pass
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) != name:
+            config._attn_implementation = name
+
+
+def patch_hf_model(model: nn.Module) -> nn.Module:
+    """Make an HF Qwen3/Llama model run its linears, RMSNorms and attention on the invariant kernels.
+
+    After patching, every token's logits are bitwise independent of the batch it is computed in:
+    batch size, left/right padding, packing (``position_ids`` restarting at 0, no attention mask) and
+    KV-cache decode vs a full prefill. ``generate()``, a training forward and ``backward()`` all work
+    as before; parameters are not copied or moved.
+
+    Args:
+        model: a ``transformers`` ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` (or the base
+            ``Qwen3Model`` / ``LlamaModel``), on any device and dtype the invariant kernels take
+            (CUDA: Triton kernels; CPU: the invariant reference path).
+
+    Returns:
+        ``model`` itself, patched in place. Patching twice is a no-op.
+
+    Raises:
+        TypeError: ``model`` is not one of the supported architectures.
+    """
+    _check_model(model, "patch_hf_model")
+    if is_patched(model):
+        return model
+    from rlkernel.invariant.hf_attention import register_hf_attention
+
+    name = register_hf_attention()
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    # (config, its attention implementation before patching): a list of pairs, not a dict keyed by
+    # id(), so that a deepcopy of the patched model carries a state that still matches its configs.
+    state = {"attn": [(cfg, cfg._attn_implementation) for cfg in configs.values()]}
+    for module in model.modules():
+        cls = type(module)
+        if getattr(cls, _ORIGINAL, None) is not None:  # already swapped
+            continue
+        if isinstance(module, nn.Linear):
+            module.__class__ = _swapped_class(cls, _invariant_linear_forward)
+        elif cls.__name__ in _NORM_CLASSES:
+            module.__class__ = _swapped_class(cls, _invariant_rms_norm_forward)
+    _set_attn_implementation(model, name)
+    object.__setattr__(model, _STATE, state)  # a plain attribute: not a submodule, not in state_dict
+    return model
+
+
+def unpatch_hf_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_hf_model`: the original module classes and attention implementation return.
+
+    The model then computes exactly what it computed before patching (bitwise). Unpatching a model
+    that is not patched is a no-op.
+
+    Raises:
+        TypeError: ``model`` is not one of the supported architectures.
+    """
+    _check_model(model, "unpatch_hf_model")
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return model
+    for module in model.modules():
+        original = getattr(type(module), _ORIGINAL, None)
+        if original is not None:
+            module.__class__ = original
+    for cfg, original in state["attn"]:
+        cfg._attn_implementation = original
+    setter = getattr(model, "set_attn_implementation", None)
+    top = next((orig for cfg, orig in state["attn"] if cfg is getattr(model, "config", None)), None)
+    if setter is not None and top is not None:
+        try:
+            setter(top)
+        except (ValueError, KeyError, AttributeError, TypeError):
+            pass
+    object.__delattr__(model, _STATE)
+    return model

@@ -1,0 +1,125 @@
+"""Batch-invariant RMSNorm in the HF Qwen3/Llama cast order, with a deterministic backward.
+
+``rms_norm(x, weight, eps)`` serves the hidden-state norms and Qwen3's per-head QK-norm (``x`` of
+shape ``[..., heads, head_dim]`` normalized over ``head_dim``).
+
+Backends (``rlkernel._dispatch``): the Triton kernels of :mod:`rlkernel.kernels.rmsnorm` on CUDA for
+fp16/bf16/fp32; :mod:`rlkernel.reference.rmsnorm` on CPU and for fp64. Both compute the sum of
+squares in the same fixed pairwise order and the scale with IEEE sqrt and division, so they agree
+bitwise on the forward, and every row is independent of the others (batch invariant by
+construction). See the reference module for the exact formula and how it relates to HF's.
+
+Backward: ``dx`` per row; ``dweight`` by a two-stage reduction (per-program fp32 partials over fixed
+row ranges, then one fixed-order sum): deterministic, no atomics.
+
+Caveats:
+    * The output dtype is ``promote_types(weight.dtype, x.dtype)``, as HF's ``weight * x``.
+    * The CPU reference backward goes through autograd on the reference (deterministic on CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from rlkernel import _dispatch
+from rlkernel import _validate as check
+from rlkernel.reference import rmsnorm as ref
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+_kernel_found: bool | None = None
+
+
+def _kernel_available() -> bool:
+    # Cached in a module global (looked up once; a per-call find_spec would cost host time per op).
+    global _kernel_found
+    if _kernel_found is None:
+        _kernel_found = importlib.util.find_spec("rlkernel.kernels.rmsnorm") is not None
+    return _kernel_found
+
+
+# ------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("rlkernel::invariant_rms_norm_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [M, H], rstd [M] fp32)`` for 2-D contiguous ``x``."""
+    from rlkernel.kernels import rmsnorm as kernels
+
+    return kernels.rms_norm_fwd(x, weight, eps)
+
+
+@_fwd_op.register_fake
+def _(x, weight, eps):
+    out = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+    return out, x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op("rlkernel::invariant_rms_norm_bwd", mutates_args=())
+def _bwd_op(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)``; deterministic two-stage ``dweight``."""
+    from rlkernel.kernels import rmsnorm as kernels
+
+    return kernels.rms_norm_bwd(grad_out, x, weight, rstd)
+
+
+@_bwd_op.register_fake
+def _(grad_out, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _call(op, *args):
+    return op(*args) if torch.compiler.is_compiling() else op._init_fn(*args)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        out, rstd = _call(_fwd_op, x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = _call(_bwd_op, grad_out.contiguous(), x, weight, rstd)
+        return dx, dweight, None
+
+
+# ---------------------------------------------------------------------------------------- public
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Batch-invariant RMSNorm, HF cast order: ``weight * (x.float() * r).to(x.dtype)``,
+    ``r = 1 / sqrt(mean(x.float()**2, -1) + eps)``. Differentiable in ``x`` and ``weight``.
+
+    Args:
+        x: ``[..., H]`` float16/bfloat16/float32/float64, normalized over the last dim.
+        weight: ``[H]`` float, same device.
+        eps: ``> 0``, added to the mean of squares.
+
+    Returns:
+        ``[..., H]`` in ``promote_types(weight.dtype, x.dtype)``.
+
+    Raises:
+        TypeError: non-float inputs, eps not a number.
+        ValueError: weight not ``[H]``, devices differ, eps <= 0, H == 0.
+    """
+    check.float_tensor("x", x, min_dim=1)
+    check.float_tensor("weight", weight)
+    check.same_shape("weight", weight, "x.shape[-1:]", x.shape[-1:])
+    check.same_device("weight", weight, "x", x.device)
+    eps = check.positive_float("eps", eps)
+    if x.shape[-1] < 1:
+        raise ValueError(f"x must have a hidden dimension >= 1, got {check.describe(x)}")
+    has_kernel = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES and _kernel_available()
+    backend = _dispatch.resolve_backend(x.device, has_kernel=has_kernel)
+    if backend != "triton":
+        return ref.rms_norm(x, weight, eps)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out = _RMSNormFunction.apply(x2, weight.contiguous(), eps)
+    else:  # no gradient wanted: the same forward op without the autograd Function's host overhead
+        out = _call(_fwd_op, x2, weight.contiguous(), eps)[0]
+    return out.reshape(x.shape)

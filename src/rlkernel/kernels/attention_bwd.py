@@ -1,0 +1,365 @@
+"""Triton kernels of the deterministic backward of ``rlkernel.invariant.attention``.
+
+Math (s = scale, c = s·log2 e, P recomputed from the forward's base-2 LSE, delta = rowsum(dO·O)):
+
+    P = 2^(c·q·kᵀ − lse2),   dV = Pᵀ·dO,   dP = dO·Vᵀ,   dS = P·(dP − delta),
+    dQ = s·dS·K,   dK = s·dSᵀ·Q
+
+``_attn_bwd_dkdv_kernel``: one program per (key block, sequence × kv head), key blocks anchored at
+the sequence's first real key like the forward's; it loops over the GQA group's q heads (g = 0..G−1)
+and, for each, over the query blocks that see the block, in that fixed order, accumulating dK and dV
+in fp32 registers. ``_attn_bwd_dq_kernel``: one program per (query block, sequence × q head) loops
+over the visible key blocks. Every output element is written once by one program: deterministic
+without atomics. The backward need not be batch-invariant (training computes it once per step).
+
+Memory: reads Q, K, V, O, dO once per program family plus K/V once per query block (dQ) and Q/dO
+once per key block per group head (dK/dV), as in FlashAttention-2.
+
+Caveats:
+    * Keys before ``key_start`` get exact zeros (the gradients are allocated zeroed).
+    * delta is computed by a torch reduction (fp32 upcast copy of dO·O: 4 bytes per element of O,
+      transient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from rlkernel._dispatch import interpreter_enabled
+from rlkernel.kernels.attention import (
+    LOG2E,
+    _block_d,
+    _common,
+    _device_guard,
+    _operand,
+    _precision,
+    _seq_bounds,
+    _strides4,
+    _unit_last,
+    _upcast_dots,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """Backward launch configuration (any choice is deterministic; it need not be invariant)."""
+
+    block_m: int  # queries per block in the dK/dV kernel and per program in the dQ kernel
+    block_n: int  # keys per program in the dK/dV kernel and per block in the dQ kernel
+    num_warps: int
+    num_stages: int
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype) -> BwdConfig:
+    if interpreter_enabled():
+        return BwdConfig(16, 16, 1, 1)
+    d = _block_d(head_dim)
+    if dtype == torch.float32 or d > 128:
+        return BwdConfig(32, 32, 4, 1)
+    if d <= 64:
+        return BwdConfig(64, 64, 4, 2)
+    return BwdConfig(64, 64, 8, 2)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    # outputs
+    dk_ptr,
+    stride_dkb,
+    stride_dkt,
+    stride_dkh,
+    dv_ptr,
+    stride_dvb,
+    stride_dvt,
+    stride_dvh,
+    # inputs
+    q_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    k_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    v_ptr,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    do_ptr,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    lse_ptr,  # fp32 [Hq, total query rows], base 2
+    delta_ptr,  # fp32 [Hq, total query rows], rowsum(dO·O)
+    key_start_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    # sizes
+    seqlen_q,
+    seqlen_k,
+    n_kv_heads,
+    group,
+    head_dim,
+    total_q,
+    # runtime scalars
+    qk_scale,
+    sm_scale,
+    # meta
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_KEY_START: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """dK, dV of one key block of one kv head: Σ over the group's q heads (in order g = 0..G−1)
+    and over the query blocks that see the block (in order), accumulated in fp32 registers."""
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // n_kv_heads
+    hk = pid_bh % n_kv_heads
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+        b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
+    )
+    start = ks + pid_n * BLOCK_N
+    if start < len_k:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < head_dim
+        keys = start + tl.arange(0, BLOCK_N)
+        kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+        k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
+        v_base = v_ptr + b * stride_vb + k_tok0 * stride_vt + hk * stride_vh
+        k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+        k = _operand(k, UPCAST)
+        v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = _operand(v, UPCAST)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        scale = tl.cast(qk_scale, tl.float32)
+        offset = len_k - len_q
+        qi_lo = tl.maximum(start - offset, 0)  # the first query that sees a key of this block
+        q_base = q_ptr + b * stride_qb + q_tok0 * stride_qt
+        do_base = do_ptr + b * stride_dob + q_tok0 * stride_dot
+        offs_m = tl.arange(0, BLOCK_M)
+        for g in range(0, group):
+            hq = hk * group + g
+            for m0 in range(qi_lo, len_q, BLOCK_M):
+                qi = m0 + offs_m
+                q_ok = qi < len_q
+                ld = q_ok[:, None] & mask_d[None, :]
+                q = tl.load(
+                    q_base + qi[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0
+                )
+                q = _operand(q, UPCAST)
+                do = tl.load(
+                    do_base + qi[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0
+                )
+                do = _operand(do, UPCAST)
+                lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
+                delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
+                s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
+                visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
+                p_t = tl.where(visible, tl.math.exp2(s_t * scale - lse[None, :]), 0.0)
+                dv = tl.dot(
+                    _operand(p_t.to(do_ptr.dtype.element_ty), UPCAST), do, dv, input_precision=INPUT_PRECISION
+                )
+                dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk = tl.dot(
+                    _operand(ds_t.to(q_ptr.dtype.element_ty), UPCAST), q, dk, input_precision=INPUT_PRECISION
+                )
+        dk = dk * sm_scale
+        dk_base = dk_ptr + b * stride_dkb + k_tok0 * stride_dkt + hk * stride_dkh
+        dv_base = dv_ptr + b * stride_dvb + k_tok0 * stride_dvt + hk * stride_dvh
+        tl.store(
+            dk_base + keys[:, None] * stride_dkt + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_ok
+        )
+        tl.store(
+            dv_base + keys[:, None] * stride_dvt + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok
+        )
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    # outputs
+    dq_ptr,
+    stride_dqb,
+    stride_dqt,
+    stride_dqh,
+    # inputs
+    q_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    k_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    v_ptr,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    do_ptr,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    lse_ptr,
+    delta_ptr,
+    key_start_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    # sizes
+    seqlen_q,
+    seqlen_k,
+    n_kv_heads,
+    group,
+    head_dim,
+    total_q,
+    # runtime scalars
+    qk_scale,
+    sm_scale,
+    # meta
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_KEY_START: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """dQ of one query block of one q head: Σ over its visible key blocks, in order."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    n_q_heads = n_kv_heads * group
+    b = pid_bh // n_q_heads
+    hq = pid_bh % n_q_heads
+    hk = hq // group
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+        b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
+    )
+    m0 = pid_m * BLOCK_M
+    if m0 < len_q:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < head_dim
+        qi = m0 + tl.arange(0, BLOCK_M)
+        q_ok = qi < len_q
+        ld = q_ok[:, None] & mask_d[None, :]
+        q_base = q_ptr + b * stride_qb + q_tok0 * stride_qt + hq * stride_qh
+        do_base = do_ptr + b * stride_dob + q_tok0 * stride_dot + hq * stride_doh
+        q = tl.load(q_base + qi[:, None] * stride_qt + offs_d[None, :], mask=ld, other=0.0)
+        q = _operand(q, UPCAST)
+        do = tl.load(do_base + qi[:, None] * stride_dot + offs_d[None, :], mask=ld, other=0.0)
+        do = _operand(do, UPCAST)
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
+        qpos = len_k - len_q + qi
+        key_end = len_k - len_q + tl.minimum(m0 + BLOCK_M, len_q)
+        k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
+        v_base = v_ptr + b * stride_vb + k_tok0 * stride_vt + hk * stride_vh
+        scale = tl.cast(qk_scale, tl.float32)
+        dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        for start in range(ks, key_end, BLOCK_N):
+            keys = start + offs_n
+            kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+            k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+            k = _operand(k, UPCAST)
+            v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+            v = _operand(v, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+            visible = (keys[None, :] <= qpos[:, None]) & q_ok[:, None]
+            p = tl.where(visible, tl.math.exp2(s * scale - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(
+                _operand(ds.to(k_ptr.dtype.element_ty), UPCAST), k, dq, input_precision=INPUT_PRECISION
+            )
+        dq = dq * sm_scale
+        dq_base = dq_ptr + b * stride_dqb + q_tok0 * stride_dqt + hq * stride_dqh
+        tl.store(
+            dq_base + qi[:, None] * stride_dqt + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=ld
+        )
+
+
+def attention_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    key_start: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    config: BwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Deterministic backward: ``(dq, dk, dv)`` in the inputs' dtype, contiguous, shaped like
+    q, k, v. Keys before ``key_start`` get exact zeros."""
+    q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out.to(q.dtype))
+    packed, n_seq, hq, hkv, d, seqlen_q, seqlen_k, total_q = _common(
+        q, k, key_start, cu_seqlens_q, max_seqlen_q
+    )
+    group = hq // hkv
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if n_seq == 0 or seqlen_q == 0 or total_q == 0:
+        return dq, dk, dv
+    # delta = rowsum(dO·O) in fp32, laid out like the LSE: [Hq, total query rows]. A torch
+    # reduction over the last dim is deterministic (no atomics).
+    delta = (do.float() * out.float()).sum(-1).reshape(total_q, hq).t().contiguous()
+    cfg = config or bwd_config(d, q.dtype)
+    max_len_k = seqlen_k
+    if packed:
+        max_len_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item())
+    common = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=_block_d(d),
+        HAS_KEY_START=key_start is not None,
+        IS_VARLEN=packed,
+        INPUT_PRECISION=_precision(q.dtype),
+        UPCAST=_upcast_dots(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    tail = (
+        q,
+        *_strides4(q, packed),
+        k,
+        *_strides4(k, packed),
+        v,
+        *_strides4(v, packed),
+        do,
+        *_strides4(do, packed),
+        lse,
+        delta,
+        key_start if key_start is not None else lse,
+        cu_seqlens_q if packed else lse,
+        cu_seqlens_k if packed else lse,
+        seqlen_q,
+        seqlen_k,
+        hkv,
+        group,
+        d,
+        total_q,
+        scale * LOG2E,
+        scale,
+    )
+    with _device_guard(q):
+        if max_len_k > 0:
+            grid = (triton.cdiv(max_len_k, cfg.block_n), n_seq * hkv)
+            _attn_bwd_dkdv_kernel[grid](
+                dk, *_strides4(dk, packed), dv, *_strides4(dv, packed), *tail, **common
+            )
+        grid = (triton.cdiv(seqlen_q, cfg.block_m), n_seq * hq)
+        _attn_bwd_dq_kernel[grid](dq, *_strides4(dq, packed), *tail, **common)
+    return dq, dk, dv
