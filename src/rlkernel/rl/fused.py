@@ -188,40 +188,22 @@ def fused_policy_loss(
     )
     if inplace_backward and logits is None:
         raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
+    # The [B, T] inputs of the algebra, as policy_loss takes them (one place for both fused paths).
+    batch = dict(
+        old_logp=old_logp,
+        advantages=advantages,
+        mask=mask,
+        ref_logp=ref_logp,
+        rollout_logp=rollout_logp,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        cu_seqlens=cu_seqlens,
+    )
     if _token_level(cfg, logits):
-        return _fused_token_level(
-            cfg,
-            logits,
-            token_ids,
-            (ids, active),
-            old_logp=old_logp,
-            advantages=advantages,
-            mask=mask,
-            temperature=temperature,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-            cu_seqlens=cu_seqlens,
-            inplace_backward=inplace_backward,
-        )
+        return _fused_token_level(cfg, logits, token_ids, (ids, active), batch, temperature, inplace_backward)
     if not tp and _token_level_linear(cfg, hidden, weight):
         return _fused_linear_token_level(
-            cfg,
-            hidden,
-            weight,
-            bias,
-            token_ids,
-            (ids, active),
-            old_logp=old_logp,
-            advantages=advantages,
-            mask=mask,
-            temperature=temperature,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-            cu_seqlens=cu_seqlens,
+            cfg, hidden, weight, bias, token_ids, (ids, active), batch, temperature
         )
     if logits is not None:
         out = token_logprobs(logits, ids, inplace_backward=inplace_backward, **options)
@@ -234,38 +216,29 @@ def fused_policy_loss(
             options["validate"] = True
         out = linear_token_logprobs(hidden, weight, ids, bias=bias, tp_group=tp_group, **options)
     logp, entropy = out if want_entropy else (out, None)
-    return policy_loss(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        cfg,
-        ref_logp=ref_logp,
-        rollout_logp=rollout_logp,
-        entropy=entropy,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        cu_seqlens=cu_seqlens,
-    )
+    rest = {k: v for k, v in batch.items() if k not in ("old_logp", "advantages", "mask")}
+    return policy_loss(logp, old_logp, advantages, mask, cfg, entropy=entropy, **rest)
 
 
-def _fused_token_level(
-    cfg,
-    logits,
-    token_ids,
-    masked_ids,
-    *,
-    old_logp,
-    advantages,
-    mask,
-    temperature,
-    ref_logp,
-    rollout_logp,
-    global_tokens,
-    global_seqs,
-    cu_seqlens,
-    inplace_backward,
-) -> PolicyLossOutput:
+def _plan(cfg, token_ids, masked_ids, batch) -> token_loss.TokenLossPlan:
+    """The token-level plan (per-token constants) of a fused call."""
+    return token_loss.build_plan(cfg, token_ids=token_ids, masked_ids=masked_ids, **batch)
+
+
+def _output(loss, logp, entropy, cfg, batch) -> PolicyLossOutput:
+    """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
+    metrics equal the composed path's."""
+
+    def metrics() -> dict[str, torch.Tensor]:
+        rest = {k: v for k, v in batch.items() if k not in ("old_logp", "advantages", "mask")}
+        return policy_loss(
+            logp, batch["old_logp"], batch["advantages"], batch["mask"], cfg, entropy=entropy, **rest
+        ).metrics
+
+    return PolicyLossOutput(loss, compute_metrics=metrics)
+
+
+def _fused_token_level(cfg, logits, token_ids, masked_ids, batch, temperature, inplace_backward):
     """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy."""
     from rlkernel.ops._logprobs_function import token_loss_triton
 
@@ -273,19 +246,7 @@ def _fused_token_level(
     ids = _check_common("logits", logits, masked_ids[0], temperature, IGNORE_INDEX)
     if logits.shape[-1] < 1:
         raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
-    plan = token_loss.build_plan(
-        cfg,
-        token_ids=token_ids,
-        old_logp=old_logp,
-        advantages=advantages,
-        mask=mask,
-        ref_logp=ref_logp,
-        rollout_logp=rollout_logp,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        cu_seqlens=cu_seqlens,
-        masked_ids=(ids, masked_ids[1]),
-    )
+    plan = _plan(cfg, token_ids, (ids, masked_ids[1]), batch)
     two_pass = (
         logits.shape[-1] <= GRAD_IN_FORWARD_MAX_VOCAB
         and not inplace_backward
@@ -300,64 +261,17 @@ def _fused_token_level(
         loss, logp, entropy = token_loss_triton(
             logits, plan, temperature=temperature, inplace_backward=inplace_backward
         )
-    entropy = entropy if plan.want_entropy else None
-
-    def metrics() -> dict[str, torch.Tensor]:
-        # The composed algebra on detached copies: the same metrics as the composed path.
-        return policy_loss(
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            cfg,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            entropy=entropy,
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-            cu_seqlens=cu_seqlens,
-        ).metrics
-
-    return PolicyLossOutput(loss, compute_metrics=metrics)
+    return _output(loss, logp, entropy if plan.want_entropy else None, cfg, batch)
 
 
-def _fused_linear_token_level(
-    cfg,
-    hidden,
-    weight,
-    bias,
-    token_ids,
-    masked_ids,
-    *,
-    old_logp,
-    advantages,
-    mask,
-    temperature,
-    ref_logp,
-    rollout_logp,
-    global_tokens,
-    global_seqs,
-    cu_seqlens,
-) -> PolicyLossOutput:
+def _fused_linear_token_level(cfg, hidden, weight, bias, token_ids, masked_ids, batch, temperature):
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
     # The primitive's checks (shapes, dtypes, devices, bias); the id range was checked above.
     check_linear_inputs(hidden, weight, masked_ids[0], bias, temperature, IGNORE_INDEX)
-    plan = token_loss.build_plan(
-        cfg,
-        token_ids=token_ids,
-        old_logp=old_logp,
-        advantages=advantages,
-        mask=mask,
-        ref_logp=ref_logp,
-        rollout_logp=rollout_logp,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        cu_seqlens=cu_seqlens,
-        masked_ids=masked_ids,
-    )
+    plan = _plan(cfg, token_ids, masked_ids, batch)
     outs = fused_linear_token_loss(
         hidden,
         weight,
@@ -368,22 +282,5 @@ def _fused_linear_token_level(
         ignore_index=IGNORE_INDEX,
         with_entropy=plan.want_entropy,
     )
-    loss, logp = outs[0], outs[1]
     entropy = outs[2] if plan.want_entropy else None
-
-    def metrics() -> dict[str, torch.Tensor]:
-        return policy_loss(
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            cfg,
-            ref_logp=ref_logp,
-            rollout_logp=rollout_logp,
-            entropy=entropy,
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-            cu_seqlens=cu_seqlens,
-        ).metrics
-
-    return PolicyLossOutput(loss, compute_metrics=metrics)
+    return _output(outs[0], outs[1], entropy, cfg, batch)
