@@ -43,6 +43,11 @@ global V = Σ V_r, against which ``validate=True`` checks the ids.
 ``global_normalizers`` sums the active-token and sequence counts of a step (all micro-batches, all
 data-parallel ranks) in one ``all_reduce``, for ``policy_loss(..., global_tokens=, global_seqs=)``.
 
+Where things live: this module holds the local GEMMs (:data:`GEMM`), the autograd Function and
+:func:`vocab_parallel_linear_token_logprobs`; the validation descriptor, its verdict and the
+process-group helpers are in :mod:`rlkernel._distributed_checks`; :func:`global_normalizers` is in
+:mod:`rlkernel.normalizers` and re-exported here.
+
 Caveats:
     * Hidden states must be bitwise replicated across the group, and the upstream gradients of
       ``logp``/``entropy`` identical (they are when the loss is computed from the replicated outputs,
@@ -67,13 +72,21 @@ Caveats:
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 
-from rlkernel import _validate as check
+from rlkernel._distributed_checks import (
+    _F,
+    _check_global_range,
+    _check_group,
+    _collective_device,
+    _descriptor,
+    _gather,
+    _local_checks,
+    _raise_for,
+    _verdict,
+)
+from rlkernel.normalizers import global_normalizers  # noqa: F401 - re-exported
 from rlkernel.reference import logprobs as ref
 
 # dhidden is all-reduced in blocks of whole chunks holding at most this many bytes (fp32 [rows, H]).
@@ -86,230 +99,6 @@ REDUCE_BYTES = 64 * 2**20
 # GEMMs on the upcast shard everywhere. "half": the half-operand GEMMs everywhere (on the CPU
 # emulated with fp32 products of the same operands: for tests).
 GEMM = "auto"
-
-# ------------------------------------------------------------------------------- descriptor layout
-_FIELDS = (
-    "error",  # 0 ok, 1 ValueError, 2 TypeError (the local checks failed)
-    "n",
-    "hidden_size",
-    "vocab_local",
-    "dtype",
-    "device_type",
-    "has_bias",
-    "temperature",  # the float64 bits
-    "ignore_index",
-    "return_entropy",
-    "hidden_grad",
-    "chunk_rows",  # 0 = automatic
-    "id_hash",
-    "id_min",
-    "id_max",
-)
-_F = {name: i for i, name in enumerate(_FIELDS)}
-_MSG_BYTES = 384  # a local error's message travels in the descriptor, truncated to this many bytes
-_DESC_LEN = len(_FIELDS) + _MSG_BYTES // 8
-_INT64_MAX = 2**63 - 1
-_INT64_MIN = -(2**63)
-_DTYPES = (None,) + check.FLOAT_DTYPES
-_DEVICE_TYPES = ("other", "cpu", "cuda")
-# Fields that must agree across ranks, with the words used in the error message.
-_MUST_AGREE = (
-    ("n", "token count N = hidden.shape[:-1].numel()"),
-    ("hidden_size", "hidden size H"),
-    ("dtype", "hidden/weight dtype"),
-    ("device_type", "device type"),
-    ("has_bias", "bias given"),
-    ("temperature", "temperature"),
-    ("ignore_index", "ignore_index"),
-    ("return_entropy", "return_entropy"),
-    ("hidden_grad", "whether hidden requires grad"),
-    ("chunk_rows", "chunk_rows (0 = automatic)"),
-    ("id_hash", "token_ids checksum (the ids must be the same on every rank)"),
-)
-
-
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_float(b: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", b))[0]
-
-
-def _format(field: str, value: int) -> str:
-    if field == "dtype":
-        return str(_DTYPES[value]) if 0 < value < len(_DTYPES) else "?"
-    if field == "device_type":
-        return _DEVICE_TYPES[value]
-    if field == "temperature":
-        return repr(_bits_float(value))
-    if field in ("has_bias", "return_entropy", "hidden_grad"):
-        return str(bool(value))
-    return str(value)
-
-
-def _check_group(name: str, group: object) -> None:
-    process_group = getattr(dist, "ProcessGroup", None)
-    if process_group is None or not dist.is_available():
-        raise TypeError(f"{name} needs torch.distributed, which this PyTorch build does not have")
-    if not isinstance(group, process_group):
-        raise TypeError(
-            f"{name} must be a torch.distributed ProcessGroup (e.g. from dist.new_group), "
-            f"got {type(group).__name__}"
-        )
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of {name}")
-
-
-def _collective_device(group: object, data: object) -> torch.device:
-    """Where a small control tensor must live for ``group``'s backend: CUDA for NCCL, else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" not in backend:
-        return torch.device("cpu")
-    if isinstance(data, torch.Tensor) and data.device.type == "cuda":
-        return data.device
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-# -------------------------------------------------------------------------------- local checks
-def _local_checks(hidden, weight, bias, token_ids, temperature, ignore_index, chunk_rows) -> torch.Tensor:
-    """The checks of ``linear_token_logprobs`` (and a non-empty shard); returns the int ids."""
-    check.float_tensor("hidden", hidden, min_dim=1)
-    check.float_tensor("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight (this rank's vocabulary shard) must be [V_r, H] with H = hidden.shape[-1] = "
-            f"{hidden.shape[-1]}, got {check.describe(weight)}"
-        )
-    if weight.shape[0] < 1:
-        raise ValueError(
-            "weight must have at least one vocabulary row (every tensor-parallel rank must own a "
-            f"non-empty shard), got {check.describe(weight)}"
-        )
-    check.same_device("weight", weight, "hidden", hidden.device)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    if bias is not None:
-        check.float_tensor("bias", bias)
-        check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
-        check.same_device("bias", bias, "hidden", hidden.device)
-    ids = check.int_tensor("token_ids", token_ids)
-    check.same_shape("token_ids", ids, "hidden.shape[:-1]", hidden.shape[:-1])
-    check.same_device("token_ids", ids, "hidden", hidden.device)
-    check.positive_float("temperature", temperature)
-    check.integer("ignore_index", ignore_index)
-    if chunk_rows is not None:
-        check.positive_int("chunk_rows", chunk_rows)
-    return ids
-
-
-def _id_stats(ids: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """int64 ``[3]`` on the ids' device: a position-weighted checksum, min and max active id."""
-    flat = ids.reshape(-1).long()
-    if flat.numel() == 0:
-        return torch.tensor([0, _INT64_MAX, _INT64_MIN], dtype=torch.int64, device=ids.device)
-    pos = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
-    # Σ (id + c)·w(pos) with odd pseudo-random int64 weights (wrapping arithmetic is fine and
-    # exact, so the sum is order-independent): two id vectors collide with probability ~2^-63.
-    weights = (pos * 0x2545F4914F6CDD1D + 0x1F123BB5) | 1
-    digest = ((flat + 0x51ED27) * weights).sum()
-    active = flat != ignore_index
-    lo = torch.where(active, flat, _INT64_MAX).amin()
-    hi = torch.where(active, flat, _INT64_MIN).amax()
-    return torch.stack([digest, lo, hi])
-
-
-def _descriptor(hidden, weight, bias, ids, temperature, ignore_index, return_entropy, chunk_rows, error):
-    """This rank's int64 descriptor (on the ids' device when the local checks passed)."""
-    host = [0] * _DESC_LEN
-    if error is not None:
-        host[_F["error"]] = 2 if isinstance(error, TypeError) else 1
-        raw = str(error).encode("utf-8")[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
-        host[len(_FIELDS) :] = list(struct.unpack(f"<{_MSG_BYTES // 8}q", raw))
-        return torch.tensor(host, dtype=torch.int64)
-    host[_F["n"]] = ids.numel()
-    host[_F["hidden_size"]] = hidden.shape[-1]
-    host[_F["vocab_local"]] = weight.shape[0]
-    host[_F["dtype"]] = _DTYPES.index(hidden.dtype)
-    host[_F["device_type"]] = (
-        _DEVICE_TYPES.index(hidden.device.type) if hidden.device.type in _DEVICE_TYPES else 0
-    )
-    host[_F["has_bias"]] = int(bias is not None)
-    host[_F["temperature"]] = _float_bits(float(temperature))
-    host[_F["ignore_index"]] = int(ignore_index)
-    host[_F["return_entropy"]] = int(bool(return_entropy))
-    host[_F["hidden_grad"]] = int(hidden.requires_grad and torch.is_grad_enabled())
-    host[_F["chunk_rows"]] = 0 if chunk_rows is None else int(chunk_rows)
-    desc = torch.tensor(host, dtype=torch.int64).to(ids.device)
-    desc[_F["id_hash"] : _F["id_max"] + 1] = _id_stats(ids, int(ignore_index))
-    return desc
-
-
-def _gather(desc: torch.Tensor, group: object, device: torch.device) -> list[list[int]]:
-    desc = desc.to(device)
-    parts = [torch.empty_like(desc) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, desc, group=group)
-    return torch.stack(parts).cpu().tolist()  # the one host read per call
-
-
-def _message(row: list[int]) -> str:
-    raw = struct.pack(f"<{_MSG_BYTES // 8}q", *row[len(_FIELDS) :])
-    return raw.rstrip(b"\0").decode("utf-8", "ignore")
-
-
-def _verdict(table: list[list[int]]) -> tuple[type[Exception], list[str]] | None:
-    """The same ``(exception type, problems)`` on every rank, or ``None`` when the layout agrees."""
-    failed = [r for r, row in enumerate(table) if row[_F["error"]]]
-    if failed:
-        kinds = {table[r][_F["error"]] for r in failed}
-        exc = TypeError if kinds == {2} and len(failed) == len(table) else ValueError
-        by_message: dict[str, list[int]] = {}
-        for r in failed:
-            by_message.setdefault(_message(table[r]), []).append(r)
-        return exc, [
-            f"rank {ranks[0]} rejected its inputs: {msg}"
-            if len(ranks) == 1
-            else f"ranks {ranks} rejected their inputs: {msg}"
-            for msg, ranks in by_message.items()
-        ]
-    problems = []
-    for field, words in _MUST_AGREE:
-        values = [row[_F[field]] for row in table]
-        if len(set(values)) == 1:
-            continue
-        if field == "id_hash":
-            if problems and problems[0].startswith("token count"):
-                continue  # different N: different ids follow, nothing more to say
-            differ = [r for r, v in enumerate(values) if v != values[0]]
-            problems.append(f"token_ids differ across ranks: rank(s) {differ} differ from rank 0")
-        else:
-            per_rank = ", ".join(f"rank {r}: {_format(field, v)}" for r, v in enumerate(values))
-            problems.append(f"{words} differs across ranks ({per_rank})")
-    return (ValueError, problems) if problems else None
-
-
-def _raise_for(verdict: tuple[type[Exception], list[str]], world: int, cause: Exception | None) -> None:
-    exc, problems = verdict
-    raise exc(
-        f"vocab-parallel linear_token_logprobs over the {world} ranks of tp_group (every rank "
-        f"raises this error): " + "; ".join(problems)
-    ) from cause
-
-
-def _check_global_range(ids: torch.Tensor, table: list[list[int]], ignore_index: int) -> None:
-    vocab = sum(row[_F["vocab_local"]] for row in table)
-    lo, hi = table[0][_F["id_min"]], table[0][_F["id_max"]]
-    if lo == _INT64_MAX or (lo >= 0 and hi < vocab):  # no active id, or all in range
-        return
-    sizes = " + ".join(str(row[_F["vocab_local"]]) for row in table)
-    try:
-        # The ids are the same on every rank (checksummed), so every rank raises the same message.
-        check.token_ids_in_range("token_ids", ids, vocab, ignore_index)
-    except ValueError as err:
-        raise ValueError(
-            f"{err} (the global vocabulary of tp_group: V = {sizes} = {vocab}; every rank raises this error)"
-        ) from None
-
 
 # ------------------------------------------------------------------------------------- autograd
 _out_dtype_ok: dict[torch.device, bool] = {}
@@ -566,84 +355,3 @@ def vocab_parallel_linear_token_logprobs(
     if return_entropy:
         return logp.reshape(lead), entropy.reshape(lead)
     return logp.reshape(lead)
-
-
-def global_normalizers(
-    mask: torch.Tensor | Sequence[torch.Tensor],
-    *,
-    cu_seqlens: torch.Tensor | Sequence[torch.Tensor] | None = None,
-    group: object | None = None,
-    count_empty: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(global_tokens, global_seqs)`` of a whole optimizer step, summed over a data-parallel group.
-
-    The normalizers of :func:`rlkernel.policy_loss` / :func:`rlkernel.fused_policy_loss` for a step
-    split into micro-batches (gradient accumulation) and data-parallel ranks: with them, the losses
-    (and gradients) of all micro-batches on all ranks add up to the loss of the whole step.
-    ``global_tokens`` = Σ active tokens; ``global_seqs`` = Σ sequences with at least one active token
-    (the count the ``seq-mean-*`` aggregations use locally), or every sequence with ``count_empty``.
-
-    Args:
-        mask: this rank's masks: one ``[B, T]`` padded mask, one packed ``[N]`` mask with
-            ``cu_seqlens``, or a list of them (one per micro-batch), bool/int/float (nonzero =
-            active), all on one device.
-        cu_seqlens: int ``[S + 1]`` cumulative lengths for packed masks (a list matching a list of
-            masks; ``None`` entries for padded ones); ``None`` for padded masks.
-        group: the data-parallel process group; ``None`` = the default group when torch.distributed
-            is initialized, else no reduction (one process: the local counts are global).
-        count_empty: also count sequences without any active token (TRL and verl divide by every
-            row of the batch).
-
-    Returns:
-        two float32 0-dim tensors on the mask's device (on the current CUDA device for CPU masks
-        with an NCCL group). The counts are summed in int64 (exact) and never read on the host;
-        ``cu_seqlens`` is read on the host to be validated (no sync when it lives on the CPU).
-
-    Raises:
-        TypeError: a mask not a tensor, ``group`` not a ProcessGroup.
-        ValueError: no masks, masks on different devices, a padded mask not 2-D, a packed mask not
-            1-D, bad ``cu_seqlens`` (or a list of a different length).
-    """
-    masks = list(mask) if isinstance(mask, (list, tuple)) else [mask]
-    if not masks:
-        raise ValueError("mask must be a tensor or a non-empty list of micro-batch masks, got an empty list")
-    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
-        cus = [cu_seqlens] * len(masks) if cu_seqlens is None or len(masks) == 1 else None
-        if cus is None:
-            raise ValueError("with a list of masks, cu_seqlens must be a list of the same length (or None)")
-    else:
-        cus = list(cu_seqlens)
-        if len(cus) != len(masks):
-            raise ValueError(f"cu_seqlens has {len(cus)} entries for {len(masks)} masks")
-    device = check.mask_tensor("mask[0]", masks[0]).device
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
-    for i, (m, cu) in enumerate(zip(masks, cus, strict=True)):
-        name = "mask" if len(masks) == 1 else f"mask[{i}]"
-        m = check.mask_tensor(name, m)
-        check.same_device(name, m, "mask[0]", device)
-        active = m != 0
-        if cu is None:
-            if m.dim() != 2:
-                raise ValueError(
-                    f"{name} must be [B, T] (padded), or 1-D (packed) with cu_seqlens, "
-                    f"got {check.describe(m)}"
-                )
-            per_seq = active.sum(-1)
-        else:
-            if m.dim() != 1:
-                raise ValueError(f"{name} must be 1-D (packed) with cu_seqlens, got {check.describe(m)}")
-            cu = check.cu_seqlens_tensor(
-                "cu_seqlens" if len(masks) == 1 else f"cu_seqlens[{i}]", cu, m.shape[0]
-            )
-            cu = cu.to(device=device, dtype=torch.int64)
-            csum = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), active.long().cumsum(0)])
-            per_seq = csum[cu[1:]] - csum[cu[:-1]]
-        seqs = torch.full((), per_seq.numel(), device=device) if count_empty else (per_seq > 0).sum()
-        counts += torch.stack([active.sum(), seqs])
-    if group is not None:
-        _check_group("group", group)
-    if group is not None or (dist.is_available() and dist.is_initialized()):
-        counts = counts.to(_collective_device(group, counts))
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-    counts = counts.to(torch.float32)
-    return counts[0], counts[1]

@@ -44,6 +44,10 @@ Method (docs/guides/consistency.md has the reading guide):
    steps), unpatched and patched: CUDA events on the GPU, ``perf_counter`` on the CPU; median of
    ``--reps`` after warmup.
 
+Where things live: :mod:`rlkernel.invariant.scoring` builds the models, samples the rollout and
+scores and times it (steps 1-7); this module compares the ways (:func:`compare`, :func:`pairs`),
+runs the whole check (:func:`run_check`), formats the report and holds the command line.
+
 Caveats:
     * The CPU result (tiny config, fp32) says the pipeline and the invariant reference path are right;
       the numbers that matter come from ``--config anchor`` / ``qwen3-8b-slice`` on a GPU, where the
@@ -59,77 +63,29 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class Preset:
-    """A ``--config`` choice: the architecture, its HF config fields, and the defaults it runs with."""
-
-    arch: str  # "qwen3" | "llama"
-    fields: dict[str, Any]
-    device: str
-    dtype: str
-    run: dict[str, Any]  # num_seqs, prompt_len, gen_len, decode / prefill batch sizes
-
-
-_RUN_SMALL = {"num_seqs": 8, "prompt_len": 8, "gen_len": 16, "decode": (1, 8), "prefill": (2, 8)}
-_RUN_GPU = {"num_seqs": 32, "prompt_len": 16, "gen_len": 128, "decode": (1, 32), "prefill": (8, 32)}
-_TINY = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 1024,
-}
-CONFIGS: dict[str, Preset] = {
-    "tiny": Preset("qwen3", _TINY, "cpu", "float32", _RUN_SMALL),
-    "tiny-llama": Preset("llama", _TINY, "cpu", "float32", _RUN_SMALL),
-    "anchor": Preset(
-        "qwen3",
-        {
-            "vocab_size": 151936,
-            "hidden_size": 1024,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "max_position_embeddings": 4096,
-        },
-        "cuda",
-        "bfloat16",
-        _RUN_GPU,
-    ),
-    "qwen3-8b-slice": Preset(
-        "qwen3",
-        {
-            "vocab_size": 151936,
-            "hidden_size": 4096,
-            "intermediate_size": 12288,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "max_position_embeddings": 4096,
-        },
-        "cuda",
-        "bfloat16",
-        _RUN_GPU,
-    ),
-}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PAD_ID = 0
+from rlkernel.invariant.scoring import (  # noqa: F401 - Preset, PAD_ID: re-exported
+    _RUN_GPU,
+    _RUN_SMALL,
+    CONFIGS,
+    DTYPES,
+    PAD_ID,
+    Preset,
+    build_model,
+    decode_logprobs,
+    load_model,
+    make_prompts,
+    prefill_logprobs,
+    rollout,
+    time_decode_step,
+    time_prefill,
+)
 
 
 def _log(msg: str) -> None:
@@ -137,191 +93,7 @@ def _log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Model and data
-# --------------------------------------------------------------------------------------------------
-
-
-def build_model(name: str, *, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    """A random-weight model of one of :data:`CONFIGS`, in eval mode, SDPA attention."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    preset = CONFIGS[name]
-    qwen3 = preset.arch == "qwen3"
-    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
-    config = config_cls(
-        **preset.fields, tie_word_embeddings=False, attn_implementation="sdpa", pad_token_id=PAD_ID
-    )
-    torch.manual_seed(seed)
-    with torch.device(device):  # initialize where it runs: the 8B slice has 1.2e9 embedding/head weights
-        model = model_cls(config)
-    return model.to(dtype).eval()
-
-
-def load_model(path: str, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A local HF checkpoint (no download), SDPA attention."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
-    )
-    return model.to(device).eval()
-
-
-def make_prompts(num_seqs: int, prompt_len: int, vocab: int, *, seed: int) -> list[torch.Tensor]:
-    """``num_seqs`` random prompts (CPU int64), lengths uniform in [ceil(P/2), P], the first P long."""
-    gen = torch.Generator().manual_seed(seed)
-    lo = max(1, math.ceil(prompt_len / 2))
-    lengths = torch.randint(lo, prompt_len + 1, (num_seqs,), generator=gen).tolist()
-    lengths[0] = prompt_len
-    return [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
-
-
-def _left_pad(seqs: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = s
-        mask[i, width - len(s) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _right_pad(seqs: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _chunks(n: int, size: int) -> list[range]:
-    return [range(s, min(s + size, n)) for s in range(0, n, size)]
-
-
-def _generation_config(gen_len: int, *, sample: bool) -> Any:
-    from transformers import GenerationConfig
-
-    kw: dict[str, Any] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {}
-    return GenerationConfig(
-        max_new_tokens=gen_len,
-        min_new_tokens=gen_len,  # a checkpoint's EOS must not end a completion early
-        pad_token_id=PAD_ID,
-        eos_token_id=None,
-        bos_token_id=None,
-        use_cache=True,
-        return_dict_in_generate=True,
-        output_logits=True,
-        do_sample=sample,
-        **kw,
-    )
-
-
-@torch.no_grad()
-def rollout(
-    model: torch.nn.Module, prompts: list[torch.Tensor], gen_len: int, batch_size: int, *, seed: int
-) -> torch.Tensor:
-    """Sampled completions ``[S, gen_len]`` (CPU int64) from ``generate()`` in batches of ``batch_size``."""
-    device = next(model.parameters()).device
-    torch.manual_seed(seed)
-    out = []
-    for rows in _chunks(len(prompts), batch_size):
-        ids, mask = _left_pad([prompts[i] for i in rows], device)
-        res = model.generate(
-            input_ids=ids, attention_mask=mask, generation_config=_generation_config(gen_len, sample=True)
-        )
-        out.append(res.sequences[:, ids.shape[1] :].cpu())
-    return torch.cat(out)
-
-
-class _ForceTokens:
-    """A logits processor that makes greedy decoding emit the given tokens (teacher forcing)."""
-
-    def __init__(self, tokens: torch.Tensor, prompt_width: int) -> None:
-        self.tokens, self.prompt_width = tokens, prompt_width
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        t = input_ids.shape[1] - self.prompt_width
-        forced = torch.full_like(scores, -math.inf)
-        return forced.scatter_(1, self.tokens[:, t : t + 1], 0.0)
-
-
-def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The one log-softmax path: fp32 logits (an exact cast from bf16) through rk.token_logprobs."""
-    import rlkernel as rk
-
-    return rk.token_logprobs(logits.float(), ids)
-
-
-@torch.no_grad()
-def decode_logprobs(
-    model: torch.nn.Module, prompts: list[torch.Tensor], completions: torch.Tensor, batch_size: int
-) -> torch.Tensor:
-    """``[S, G]`` fp32: each completion token's log-prob from KV-cache decode at ``batch_size``."""
-    from transformers import LogitsProcessorList
-
-    device = next(model.parameters()).device
-    gen_len = completions.shape[1]
-    out = torch.empty(completions.shape, dtype=torch.float32)
-    for rows in _chunks(len(prompts), batch_size):
-        ids, mask = _left_pad([prompts[i] for i in rows], device)
-        tokens = completions[rows.start : rows.stop].to(device)
-        res = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            generation_config=_generation_config(gen_len, sample=False),
-            logits_processor=LogitsProcessorList([_ForceTokens(tokens, ids.shape[1])]),
-        )
-        if not torch.equal(res.sequences[:, ids.shape[1] :], tokens):
-            raise RuntimeError("teacher-forced generate() did not reproduce the rollout tokens")
-        for t, step_logits in enumerate(res.logits):
-            out[rows.start : rows.stop, t] = _token_logprobs(step_logits, tokens[:, t]).cpu()
-    return out
-
-
-@torch.no_grad()
-def prefill_logprobs(
-    model: torch.nn.Module,
-    prompts: list[torch.Tensor],
-    completions: torch.Tensor,
-    batch_size: int,
-    *,
-    packed: bool = False,
-) -> torch.Tensor:
-    """``[S, G]`` fp32: each completion token's log-prob from one training-style forward per batch.
-
-    ``packed=False``: right-padded ``[b, L]`` with an attention mask. ``packed=True``: the batch's
-    sequences concatenated into one row ``[1, Σ L_i]``, ``position_ids`` restarting at 0 per sequence,
-    no attention mask.
-    """
-    device = next(model.parameters()).device
-    gen_len = completions.shape[1]
-    out = torch.empty(completions.shape, dtype=torch.float32)
-    for rows in _chunks(len(prompts), batch_size):
-        seqs = [torch.cat([prompts[i], completions[i]]) for i in rows]
-        if packed:
-            ids = torch.cat(seqs)[None].to(device)
-            pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-            starts = torch.tensor([0] + [len(s) for s in seqs[:-1]]).cumsum(0).tolist()
-            picks = [
-                logits[st + len(prompts[i]) - 1 : st + len(prompts[i]) - 1 + gen_len]
-                for st, i in zip(starts, rows, strict=True)
-            ]
-        else:
-            ids, mask = _right_pad(seqs, device)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            picks = [
-                logits[j, len(prompts[i]) - 1 : len(prompts[i]) - 1 + gen_len] for j, i in enumerate(rows)
-            ]
-        for j, i in enumerate(rows):
-            out[i] = _token_logprobs(picks[j], completions[i].to(device)).cpu()
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Comparison and timing
+# Comparison
 # --------------------------------------------------------------------------------------------------
 
 
@@ -333,71 +105,6 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
         "mean_abs_diff": d.mean().item(),
         "bitwise_equal_pct": 100.0 * torch.eq(a, b).double().mean().item(),
     }
-
-
-def _timed_ms(fn: Callable[[], Any], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-@torch.no_grad()
-def time_prefill(model, prompts, completions, batch_size: int, *, reps: int, warmup: int = 2) -> float:
-    """Median ms of one right-padded prefill forward over the first ``batch_size`` sequences."""
-    device = next(model.parameters()).device
-    n = min(batch_size, len(prompts))
-    ids, mask = _right_pad([torch.cat([prompts[i], completions[i]]) for i in range(n)], device)
-
-    def call():
-        return model(input_ids=ids, attention_mask=mask, use_cache=False)
-
-    for _ in range(warmup):
-        call()
-    return statistics.median(_timed_ms(call, device) for _ in range(reps))
-
-
-@torch.no_grad()
-def time_decode_step(model, prompts, completions, batch_size: int, *, steps: int, warmup: int = 1) -> float:
-    """Median ms of one decode step (``batch_size`` rows, KV cache primed with the left-padded
-    prompts, then ``steps`` steps feeding the completion tokens)."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    n = min(batch_size, len(prompts))
-    ids, mask = _left_pad([prompts[i] for i in range(n)], device)
-    tokens = completions[:n].to(device)
-    steps = min(steps, tokens.shape[1])
-    times: list[float] = []
-    for rep in range(warmup + 1):
-        cache = DynamicCache(config=model.config)
-        am = mask.clone()
-        pos = (am.cumsum(-1) - 1).clamp(min=0)
-        model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
-        for t in range(steps):
-            am = torch.cat([am, am.new_ones(n, 1)], dim=1)
-            step_pos = am.sum(-1, keepdim=True) - 1
-            tok = tokens[:, t : t + 1]
-
-            def call(tok=tok, am=am, step_pos=step_pos, cache=cache):
-                return model(
-                    input_ids=tok,
-                    attention_mask=am,
-                    position_ids=step_pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-
-            ms = _timed_ms(call, device)
-            if rep == warmup:
-                times.append(ms)
-    return statistics.median(times)
 
 
 # --------------------------------------------------------------------------------------------------
