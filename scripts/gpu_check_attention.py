@@ -3,10 +3,10 @@
     PYTHONPATH=src python3 scripts/gpu_check_attention.py            # H100, bf16, ~1 minute
     PYTHONPATH=src python3 scripts/gpu_check_attention.py --smoke    # CPU interpreter, tiny sizes
 
-Production runs the one-level online softmax: ``SPLIT_N`` = 2^30 (every call one split; the
-two-level split formula failed "HF adapter decode vs prefill" on 2026-11-21), prefill tile
-BLOCK_M = 64 / 4 warps (head_dim 128, bf16); decode uses the prefill tile (``DECODE_TILES`` is
-empty: no smaller tile passed the full check).
+The kernel runs a one-level online softmax over key blocks (BLOCK_N = 64) anchored at each
+sequence's first real key, prefill tile BLOCK_M = 64 / 4 warps (head_dim 128, bf16); decode uses the
+prefill tile (``DECODE_TILES`` is empty: no smaller tile passed the full check). A split-KV variant
+was tried on 2026-11-21 and removed (benchmarks/NOTES.md).
 
 Sections (each one runs on its own: an exception prints FAIL with the traceback's last lines and
 the next section runs):
@@ -16,8 +16,8 @@ the next section runs):
      (left-padded cache, as HF generate() builds it); and through the HF adapter's layout
      ([B, H, T, D] tensors transposed, strided reads). Sequences up to 2600 keys.
   2. the same through the transformers adapter (HF masks, [B, H, T, D] tensors): left-padded decode
-     at batch 4 vs right-padded prefill, 1, 2, 3 and 5 steps back (the case that failed with
-     splits), lengths up to 2600.
+     at batch 5 vs right-padded prefill, 1, 2, 3 and 5 steps back (the case that failed with the
+     removed split-KV variant), lengths up to 2600.
   3. decode tile == prefill tile (PASS/FAIL): the production decode tile (``launch_config`` at one
      query) gives the prefill configuration's bits at several positions and batch sizes. INFO: the
      other decode BLOCK_M candidates; the new prefill tile vs the former BM = 128 / 8 warps.

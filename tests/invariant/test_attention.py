@@ -29,19 +29,15 @@ pytestmark = [
 ]
 
 
-# The production constants, read before the autouse fixture below shrinks them.
-PRODUCTION_SPLIT = (kern.SPLIT_N, ref.SPLIT_N)
-
-# Tiny splits of the two-level softmax so that the short test sequences span several of them (the
-# kernel's interpreter BLOCK_N is 16: one block per split; the reference gets two blocks per split).
-KERNEL_SPLIT = 128 if ON_GPU else 16
+# The reference's production key block, read before the autouse fixture below shrinks it.
+PRODUCTION_BLOCK_N = ref.BLOCK_N
 
 
 @pytest.fixture(autouse=True)
-def small_splits(monkeypatch):
-    monkeypatch.setattr(kern, "SPLIT_N", KERNEL_SPLIT)
+def small_reference_blocks(monkeypatch):
+    # Tiny reference key blocks so that the short test sequences span several of them (the kernel's
+    # interpreter BLOCK_N is 16, its GPU one 32-64).
     monkeypatch.setattr(ref, "BLOCK_N", 8)
-    monkeypatch.setattr(ref, "SPLIT_N", 16)
 
 
 @pytest.fixture(params=["reference", "triton"])
@@ -152,13 +148,10 @@ def test_batch_sizes_1_3_8(backend):
     assert torch.equal(batch1[0], batch8[4])
 
 
-@pytest.mark.parametrize("split_decode", ["always", "never", "auto"])
-def test_split_decode_equals_prefill_chunked_and_packed(backend, split_decode, monkeypatch):
-    """Several splits of several blocks each: split-decode (partials + merge kernel) at batch 1 and
-    3 with left-padded caches, one-pass decode, chunked prefill and packed prefill, all bitwise equal."""
-    monkeypatch.setattr(kern, "SPLIT_DECODE", split_decode)
-    monkeypatch.setattr(kern, "SPLIT_N", 2 * KERNEL_SPLIT)
-    monkeypatch.setattr(ref, "SPLIT_N", 32)
+def test_many_blocks_decode_chunked_packed_equal_prefill(backend):
+    """Sequences of several key blocks: batch-1 decode against caches ending around block
+    boundaries, chunked prefill, packed prefill, the sequence alone and a left-padded batch-3 decode
+    of each sequence's last tokens, all bitwise equal to a right-padded prefill."""
     lens = [70, 45, 9]
     seqs = [make_seq(t, seed=5 * i + 2) for i, t in enumerate(lens)]
     total = max(lens)
@@ -167,10 +160,9 @@ def test_split_decode_equals_prefill_chunked_and_packed(backend, split_decode, m
     packed = attention(*(torch.cat([s[j] for s in seqs]) for j in range(3)), cu_seqlens_q=cu, cu_seqlens_k=cu)
     for i, t in enumerate(lens):
         assert torch.equal(packed[cu[i] : cu[i + 1]], prefill[i, :t])
-        # alone: the 9-token sequence fits one split (the kernel's ONE_SPLIT loop, no merge)
         assert torch.equal(attention(*(x[None] for x in seqs[i]))[0], prefill[i, :t])
     q, k, v = seqs[0]
-    for pos in (31, 32, 33, 63, 69):  # batch-1 decode against caches ending around split boundaries
+    for pos in (31, 32, 33, 63, 69):  # batch-1 decode against caches ending around block boundaries
         step = attention(q[None, pos : pos + 1], k[None, : pos + 1], v[None, : pos + 1])[0, 0]
         assert torch.equal(step, prefill[0, pos])
     chunks = [attention(q[None, a:b], k[None, :b], v[None, :b])[0] for a, b in ((0, 30), (30, 66), (66, 70))]
@@ -187,38 +179,31 @@ def test_split_decode_equals_prefill_chunked_and_packed(backend, split_decode, m
             assert torch.equal(step[i, 0], prefill[i, t - back])
 
 
-def test_split_decode_accuracy_and_determinism(monkeypatch):
-    """The split path against the fp64 oracle (left padding, GQA), and two runs bitwise equal."""
+def test_long_cache_decode_accuracy_determinism_and_lse(monkeypatch):
+    """Decode of 2 queries against a cache of several blocks (left padding, GQA) against the fp64
+    oracle, two runs bitwise equal, and the saved LSE (the backward reads it): the oracle's base-2
+    log-sum-exp, +inf with zero output for a sequence that is all padding (key_start = Tk)."""
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
-    monkeypatch.setattr(kern, "SPLIT_DECODE", "always")
     b, tq, tk, hq, hkv, d = 2, 2, 75, 4, 2, 16
     q, k, v = (randn(b, tq, hq, d), randn(b, tk, hkv, d, seed=1), randn(b, tk, hkv, d, seed=2))
     starts = torch.tensor([0, 20], device=DEVICE)
     out = attention(q, k, v, key_start=starts, scale=0.3)
     torch.testing.assert_close(out.double(), oracle(q, k, v, 0.3, starts), atol=2e-5, rtol=2e-5)
     assert torch.equal(out, attention(q, k, v, key_start=starts, scale=0.3))
-    monkeypatch.setattr(kern, "SPLIT_DECODE", "never")
-    assert torch.equal(out, attention(q, k, v, key_start=starts, scale=0.3))
-    # the saved LSE too (the backward reads it), and a sequence that is all padding (key_start = Tk)
-    starts = torch.tensor([tk, 20], device=DEVICE)
-    one_pass = kern.attention_fwd(q, k, v, scale=0.3, key_start=starts)
-    monkeypatch.setattr(kern, "SPLIT_DECODE", "always")
-    split = kern.attention_fwd(q, k, v, scale=0.3, key_start=starts)
-    assert all(torch.equal(a, b) for a, b in zip(split, one_pass, strict=True))
-    assert torch.equal(split[0][0], torch.zeros_like(split[0][0])) and bool(split[1][:, :tq].isinf().all())
-
-
-def test_split_reference_equals_one_level_for_one_split():
-    """With one split the two-level formula is the one-level online softmax (the first merge is exact)."""
-    q, k, v = (x[None] for x in make_seq(20))
-    one = ref.attention_with_lse(q, k, v, block_n=4, split_n=20 * 4)
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(one, ref.attention_with_lse(q, k, v, block_n=4, split_n=24), strict=True)
+    out2, lse2 = kern.attention_fwd(q, k, v, scale=0.3, key_start=starts)
+    assert torch.equal(out2, out)
+    kk = k.double().repeat_interleave(hq // hkv, 2)
+    scores = torch.einsum("bqhd,bkhd->hbqk", q.double(), kk) * 0.3
+    keys = torch.arange(tk, device=DEVICE)
+    hide = (keys[None, None, :] > (tk - tq + torch.arange(tq, device=DEVICE))[None, :, None]) | (
+        keys[None, None, :] < starts[:, None, None]
     )
-    many = ref.attention_with_lse(q, k, v, block_n=4, split_n=8)
-    torch.testing.assert_close(many[0], one[0], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(many[1], one[1], atol=1e-6, rtol=1e-6)
+    want = torch.logsumexp(scores.masked_fill(hide, -math.inf), -1) / math.log(2)  # [Hq, B, Tq]
+    torch.testing.assert_close(lse2.double(), want.reshape(hq, b * tq), atol=1e-5, rtol=1e-5)
+    starts = torch.tensor([tk, 20], device=DEVICE)
+    out3, lse3 = kern.attention_fwd(q, k, v, scale=0.3, key_start=starts)
+    assert torch.equal(out3[0], torch.zeros_like(out3[0])) and bool(lse3[:, :tq].isinf().all())
+    assert torch.equal(out3[1], out[1]) and torch.equal(lse3[:, tq:], lse2[:, tq:])
 
 
 def test_reference_tree_sum_is_exact_pairwise():
@@ -404,8 +389,6 @@ def test_decode_tile_override_keeps_bits(monkeypatch):
     """The DECODE_TILES hook (filled only after a GPU proof) switches decode to a smaller tile;
     the rows must stay bitwise equal to the prefill's."""
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
-    from rlkernel.kernels import attention as kern
-
     monkeypatch.setitem(kern.DECODE_TILES, (16, torch.float32), (8, 2))
     assert kern.launch_config(16, torch.float32, 2).block_m == 8
     assert kern.launch_config(16, torch.float32, 40).block_m == kern.fwd_config(16, torch.float32).block_m
@@ -415,22 +398,12 @@ def test_decode_tile_override_keeps_bits(monkeypatch):
     assert torch.equal(step, full[18])
 
 
-def test_production_is_one_split_and_never_split_decode(monkeypatch):
-    """The two-level path is disabled in production (H100 adapter failure, 2026-11-21): every real
-    call is one split, split-decode is never dispatched, kernel and reference agree on SPLIT_N."""
-    assert PRODUCTION_SPLIT[0] == PRODUCTION_SPLIT[1] >= 1 << 30
-    monkeypatch.setattr(kern, "SPLIT_N", PRODUCTION_SPLIT[0])
-    for n_programs in (1, 8, 10**6):
-        assert not kern.use_split_decode(n_programs, 10**7, torch.device("cpu"), packed=False)
-
-
 @pytest.mark.parametrize("run_backend", ["reference", "triton"])
-def test_invariance_with_production_split(monkeypatch, run_backend):
-    """Padded, left-padded, packed (the ONE_SPLIT loop for packed too) and decode rows agree at the
-    production SPLIT_N."""
+def test_invariance_with_production_blocks(monkeypatch, run_backend):
+    """Padded, left-padded, packed and decode rows agree with the reference at its production
+    BLOCK_N (the kernel always runs its own configuration)."""
     monkeypatch.setenv("RLKERNEL_BACKEND", run_backend)
-    monkeypatch.setattr(kern, "SPLIT_N", PRODUCTION_SPLIT[0])
-    monkeypatch.setattr(ref, "SPLIT_N", PRODUCTION_SPLIT[1])
+    monkeypatch.setattr(ref, "BLOCK_N", PRODUCTION_BLOCK_N)
     lens = [23, 9]
     seqs = [make_seq(t, seed=40 + 10 * i) for i, t in enumerate(lens)]
     alone = [attention(q[None], k[None], v[None])[0] for q, k, v in seqs]

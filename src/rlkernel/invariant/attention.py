@@ -25,21 +25,14 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
   unmasked fast path: a different instruction sequence could contract the scale into an FMA
   differently). A row's blocks past its diagonal are fully masked and are exact no-ops
   (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
-* Two-level online softmax (DISABLED in production since 2026-11-22: ``SPLIT_N`` = 2^30, so every
-  call is one split, i.e. the one-level softmax above; the H100 check "HF adapter decode vs
-  prefill" failed with SPLIT_N = 1024, see
-  benchmarks/results/gpu_check_attention_h100_2026-11-21_split.log, and split-decode gained almost
-  nothing). The design, kept for the tests: the keys are also cut into fixed splits of ``SPLIT_N`` keys
-  anchored at s (a constant, a multiple of BN); each split runs the online softmax above from a
-  fresh state and the split states are merged in split order by one merge formula. A prefill runs
-  it in one program per row tile; a KV-cache decode step whose grid would leave SMs idle runs one
-  program per split and a small merge kernel (split-decode). Both kernels share the per-split,
-  merge and finish helpers and are compiled without FP contraction, so both round alike; which
-  path a call takes never changes its bits.
 * Rows are (query, q-head-of-the-GQA-group) pairs, so a kv head's K/V block is loaded once for its
   whole group; a row's result does not depend on which tile row it occupies (each MMA output element
   is accumulated by the same instruction sequence). ``scripts/gpu_check_attention.py`` checks this
   on the GPU (decode vs prefill vs chunked, batch 1 vs 32, left vs right padding, packed).
+* History: a two-level (split-KV) variant, fixed splits of keys merged in order so that a decode
+  step could spread one row over several GPU programs, was tried on 2026-11-21 and removed (it
+  failed the H100 "HF adapter decode vs prefill" bitwise check and gained almost nothing): see
+  benchmarks/NOTES.md.
 
 Backward (training): FlashAttention-2 style, deterministic, not required to be batch-invariant:
 delta = rowsum(dO·O); one program per key block computes dK, dV looping over the GQA group's q heads
@@ -50,8 +43,8 @@ from the saved base-2 LSE. No atomics. Kernels: ``rlkernel.kernels.attention`` (
 
 Caveats:
     * head_dim ≤ 256. fp64 inputs run the reference (no kernel).
-    * Split-decode needs the padded form (the grid is sized from the cache length without a host
-      sync); packed inputs always take the one-pass kernel (same bits).
+    * Decode at small batch runs one program per (sequence, kv head) over the whole cache: little
+      parallelism (B=1, cache 4096: 0.20 ms vs SDPA's 0.07 ms on the H100).
     * The packed form validates ``cu_seqlens`` on the host (one sync per call); the padded form
       needs none.
 """

@@ -3,46 +3,33 @@
 Forward math and block order: see ``rlkernel.reference.attention`` (the oracle) and
 ``rlkernel.invariant.attention`` (why it is invariant). In short, for a row = (query at key position
 p, q head h) of a sequence whose first real key is s, with c = scale·log2 e (one fp32 constant), a
-two-level online softmax over splits of S = ``SPLIT_N`` keys anchored at s:
+one-level online softmax over key blocks of BN = BLOCK_N keys anchored at s:
 
-    (M, L, A) = (−inf, 0, 0)
-    for splits [s + i·S, s + (i+1)·S), i = 0, 1, …:                               (``_split_state``)
-        (m, l, acc) = (−inf, 0, 0)
-        for key blocks [s + i·S + j·BN, …), j = 0, 1, … (one loop, every block masked alike):
-            t = where(key ≤ p, c·(q·kᵀ), −inf);  m' = max(m, rowmax t);  α = 2^(m − m');  P = 2^(t − m')
-            l = α·l + rowsum P;   acc = α·acc + P·V
-        M' = max(M, m); μ = M' (0 if −inf); a = 2^(M − μ); b = 2^(m − μ)                    (``_merge``)
-        L = a·L + b·l;   A = a·A + b·acc
-    out = A / L,   lse2 = M + log2 L (saved for backward; +inf for rows that see no key)  (``_finish``)
+    (m, l, acc) = (−inf, 0, 0)
+    for key blocks [s + j·BN, s + (j+1)·BN), j = 0, 1, … (one loop, all masked alike):  (``_attend_blocks``)
+        t = where(key ≤ p, c·(q·kᵀ), −inf);  m' = max(m, rowmax t);  α = 2^(m − m');  P = 2^(t − m')
+        l = α·l + rowsum P;   acc = α·acc + P·V
+    out = acc / l,   lse2 = m + log2 l (saved for backward; +inf for rows that see no key)    (``_finish``)
 
-Two ways to run it, same bits: one pass (prefill, chunked prefill, large-batch decode: a program
-walks its splits in order and merges after each), or split-decode (``use_split_decode``: one program
-per (row tile, sequence, kv head, split) writes its split's fp32 (m, l, acc), then
-``_attn_merge_kernel`` merges them in split order). Both kernels call the same three helpers and are
-launched with ``enable_fp_fusion=False``: with no mul+add → fma contraction, each helper's
-per-element arithmetic rounds identically in either kernel (a contraction decision could otherwise
-differ between the two compiled kernels). A split or block that a row's mask fully hides is an exact
-no-op for that row (α = a = 1, P = b = 0), so how far a tile's other rows reach changes nothing.
+One kernel runs prefill, chunked prefill and decode (a decode step is the prefill kernel with only
+its last query's rows active). A block that a row's mask fully hides is an exact no-op for that row
+(α = 1, P = 0), so how far a tile's other rows reach changes nothing. The kernel is launched with
+``enable_fp_fusion=False``: no mul+add → fma contraction, so c·(q·k) − m and the rescalings round
+as written, like the reference's separately rounded ops (the configuration verified on the H100).
 
 Rows are (query, q head of the GQA group) pairs: row r of a (sequence, kv head) program covers
 query r // G and q head kv·G + r % G, so each K/V block is loaded once for the G heads that share it.
 The deterministic backward lives in ``rlkernel.kernels.attention_bwd`` and shares this module's
-helpers (sequence bounds, strides, operand handling); it recomputes P from the saved lse2, which is
-the row's exact log-sum-exp whichever formula produced it.
+helpers (sequence bounds, strides, operand handling); it recomputes P from the saved lse2.
 
 Memory traffic (forward, bf16, B·T tokens, causal): Q and O once, K/V once per query tile per group;
-FLOPs 2·2·B·Hq·T²·D/2. Decode reads the whole K/V cache once per (sequence, kv head); split-decode
-adds fp32 partials of (splits × rows × D) written once and read once by the merge kernel.
+FLOPs 2·2·B·Hq·T²·D/2. Decode reads the whole K/V cache once per (sequence, kv head).
 
-Production status (2026-11-22): the two-level path is DISABLED. ``SPLIT_N`` = 2^30, so every real
-call is one split: the formula is the one-level online softmax (one loop of key blocks anchored at
-s, then out = acc / l), split-decode is never dispatched and the padded and packed forms take the
-``ONE_SPLIT`` loop. Why: with SPLIT_N = 1024 the H100 check failed "HF adapter decode vs prefill:
-NOT equal: seq0 back3" (benchmarks/results/gpu_check_attention_h100_2026-11-21_split.log), split
-decode gained almost nothing (B=1: 0.179 vs 0.193 ms) and the two-level prefill was slower (1.247
-vs 1.114 ms one split, B=8 T=2048). The two-level code and its CPU tests (which monkeypatch a
-small SPLIT_N) stay, but no production call reaches them; do not lower SPLIT_N without a GPU
-re-check of that adapter case.
+History: a two-level (split-KV) variant, splits of keys merged in order so that a decode step could
+spread one row over several programs, was tried on 2026-11-21 and removed: it failed the H100
+"HF adapter decode vs prefill" bitwise check and gained almost nothing (see benchmarks/NOTES.md and
+benchmarks/results/gpu_check_attention_h100_2026-11-21_split.log). The one-level loop here is the
+path verified on the H100 (gpu_check_attention_h100_2026-11-21_final.log).
 
 Provenance: FlashAttention-2 (Dao 2023) and the Triton fused-attention tutorial, written anew here
 with the key-block anchoring, the single masked loop and the fixed configuration that invariance
@@ -50,24 +37,14 @@ needs.
 
 Caveats:
     * One launch configuration per (head_dim, dtype) for forward (prefill and decode alike), plus
-      decode tiles proven bitwise equal on the GPU (``DECODE_TILES``): it fixes the bits. The
-      backward is free to differ.
-    * ``SPLIT_N`` (2^30 in production: the two-level path is off, see above) is part of the
-      formula, like BLOCK_N: changing it changes every row with more than S keys (consistently on
-      all paths; the reference's SPLIT_N must follow).
-    * Split-decode parallelism at batch 1, cache 4096, Hkv 8: 8·4 = 32 programs of 16 blocks each
-      (the one-pass kernel: 8 programs of 64 blocks). Not measured here (no GPU); the GPU script
-      times split on/off and other SPLIT_N values. The dispatch rule (split when the one-pass grid
-      has fewer programs than the GPU has SMs) is a guess to be tuned with those timings.
-    * The one-pass kernel carries a second fp32 accumulator (the merged A) across each split's
-      loop, and the software pipeline restarts at each split boundary (every S / BN = 16 blocks).
-      An sm_90 compile with Triton 3.9's ptxas (no GPU run) of the BLOCK_M = 128 / 8-warp tile
-      spills inside the key loop (39 stores, 87 loads of local memory per iteration; none in the
-      one-level loop; none at BLOCK_M = 64 / 4 warps). Calls whose keys all fit one split
-      (padded form, Tk ≤ SPLIT_N) take the ``ONE_SPLIT`` loop, bit for bit the same (its one
-      merge would be exact), without the second accumulator. The GPU script times the two-level
-      prefill against the one-level loop (row "S=1048576") and at other tiles.
-    * FP contraction is off in the forward kernels: c·(q·k) − m is a multiply and a subtract
+      decode tiles proven bitwise equal on the GPU (``DECODE_TILES``, empty): it fixes the bits.
+      The backward is free to differ.
+    * BLOCK_N is part of the formula: changing it changes the bits of every row with more than
+      BLOCK_N keys (consistently on all paths; the reference's BLOCK_N follows the 16-bit GPU one).
+    * Decode at small batch has little parallelism: one program per (sequence, kv head), each
+      walking the whole cache (B=1, cache 4096, Hkv 8: 8 programs of 64 blocks; 0.20 ms vs SDPA's
+      0.07 ms on the H100).
+    * FP contraction is off in the forward kernel: c·(q·k) − m is a multiply and a subtract
       rather than one fma (slightly more ALU work per score; the MMAs and exp2 dominate).
     * fp32 inputs use IEEE fp32 dots (no tf32): accuracy over speed for the fp32 path.
 """
@@ -85,20 +62,6 @@ import triton.language as tl
 from rlkernel._dispatch import interpreter_enabled
 
 LOG2E = 1.4426950408889634
-
-
-# Keys per split of the two-level online softmax (see the module header): a constant, a multiple of
-# every forward BLOCK_N, never a function of the batch, the cache length or the number of queries.
-# It is part of the formula (like BLOCK_N): the reference's SPLIT_N must match for the CPU path to
-# give the kernel's bits. Tests monkeypatch a small value to exercise several splits.
-# 2^30: every real call is one split (the two-level path is disabled after the 2026-11-21 H100
-# adapter failure, see the module header); still < 2^31, so ks + SPLIT_N fits the kernels' int32.
-SPLIT_N = 1 << 30
-
-# Split-decode dispatch: "auto" (split when the row-tile grid leaves SMs idle), "always" or "never".
-# Any choice gives the same bits (every path computes the same two-level formula); tests and the
-# GPU check force both.
-SPLIT_DECODE = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +104,7 @@ def _fwd_config(d: int, dtype: torch.dtype, interpret: bool) -> FwdConfig:
         return FwdConfig(128, 64, 4, 3)
     if d <= 128:
         # BM = 64 / 4 warps: bitwise equal to the former BM = 128 / 8 warps on an H100 (bf16) and
-        # 0.937 vs 1.247 ms at B=8 T=2048 (SDPA 0.904), gpu_check_attention_h100_2026-11-21_split.log.
+        # 0.864 vs 1.080 ms at B=8 T=2048 (SDPA 0.927), gpu_check_attention_h100_2026-11-21_final.log.
         return FwdConfig(64, 64, 4, 3)
     return FwdConfig(64, 32, 4, 2)
 
@@ -163,26 +126,6 @@ def launch_config(head_dim: int, dtype: torch.dtype, rows_per_seq: int) -> FwdCo
     if tile is not None and rows_per_seq <= tile[0]:
         return FwdConfig(tile[0], cfg.block_n, tile[1], cfg.num_stages)
     return cfg
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a nominal few "SMs"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def use_split_decode(n_programs: int, seqlen_k: int, device: torch.device, packed: bool) -> bool:
-    """Whether a call runs as split-decode (partials + merge kernel) instead of one pass. Bits do not
-    depend on it. Padded form only (the grid needs the longest cache without a host sync)."""
-    if packed or seqlen_k <= SPLIT_N or SPLIT_DECODE == "never":
-        return False
-    return SPLIT_DECODE == "always" or n_programs < _sm_count(device)
 
 
 def _device_guard(t: torch.Tensor):
@@ -244,7 +187,7 @@ def _seq_bounds(
 
 
 @triton.jit
-def _split_state(
+def _attend_blocks(
     q,
     k_base,
     v_base,
@@ -263,8 +206,9 @@ def _split_state(
     INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Online softmax from a fresh state over the key blocks [lo, lo+BN), … below ``hi`` (one split).
-    Returns the split's (m, l, acc). One helper for the prefill and the split-decode kernels."""
+    """Online softmax from a fresh state over the key blocks [lo, lo+BN), [lo+BN, lo+2BN), … below
+    ``hi``, every block masked alike (keys ≥ ``len_k`` read zeros, keys after a row's query get −inf).
+    Returns the rows' (m, l, acc): running max, sum of 2^(t − m) and Σ P·V, all fp32."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -290,21 +234,8 @@ def _split_state(
 
 
 @triton.jit
-def _merge(m_run, l_run, acc_run, m_s, l_s, acc_s):
-    """Merge a split's (m, l, acc) into the running state: the one merge formula of the prefill
-    and the split-decode merge kernel (launched with FP contraction off, so it rounds alike)."""
-    m_new = tl.maximum(m_run, m_s)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_run - m_use)
-    beta = tl.math.exp2(m_s - m_use)
-    l_new = l_run * alpha + l_s * beta
-    acc_new = acc_run * alpha[:, None] + acc_s * beta[:, None]
-    return m_new, l_new, acc_new
-
-
-@triton.jit
 def _finish(m_i, l_i, acc):
-    """(out, lse2) of a merged state: acc / l, m + log2 l; 0 and +inf for rows that see no key."""
+    """(out, lse2) of a final state: acc / l, m + log2 l; 0 and +inf for rows that see no key."""
     has_keys = l_i > 0.0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = tl.where(has_keys[:, None], acc / safe_l[:, None], 0.0)
@@ -333,8 +264,6 @@ def _attn_fwd_kernel(
     stride_ot,
     stride_oh,
     lse_ptr,  # fp32 [Hq, total query rows]
-    part_ml_ptr,  # WRITE_PARTIAL: fp32 [n_splits, 2, Hq, total query rows] (m, l)
-    part_acc_ptr,  # WRITE_PARTIAL: fp32 [n_splits, total query rows, Hq, BLOCK_D]
     # inputs
     q_ptr,
     stride_qb,
@@ -364,9 +293,6 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLIT_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
     HAS_KEY_START: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -402,136 +328,27 @@ def _attn_fwd_kernel(
         scale = tl.cast(qk_scale, tl.float32)
         last_row = tl.minimum(row0 + BLOCK_M, n_rows) - 1
         key_end = len_k - len_q + last_row // group + 1  # one past the last key any row of the tile sees
-        if WRITE_PARTIAL:
-            # split-decode: this program computes split program_id(2) only; _attn_merge_kernel merges
-            split = tl.program_id(2).to(tl.int64)
-            lo = ks + split * SPLIT_N
-            if lo < key_end:
-                m_s, l_s, acc_s = _split_state(
-                    q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, lo,
-                    tl.minimum(lo + SPLIT_N, key_end), len_k, scale,
-                    BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST,
-                )  # fmt: skip
-                n_q_heads = n_kv_heads * group
-                flat = q_row0 + qi
-                ml = part_ml_ptr + split * 2 * n_q_heads * total_q + hq * total_q + flat
-                tl.store(ml, m_s, mask=row_ok)
-                tl.store(ml + n_q_heads * total_q, l_s, mask=row_ok)
-                pa = part_acc_ptr + ((split * total_q + flat) * n_q_heads + hq) * BLOCK_D
-                tl.store(pa[:, None] + offs_d[None, :], acc_s, mask=row_ok[:, None])
-        elif ONE_SPLIT:
-            # Every key of the call lies in the first split: the merged state is that split's state
-            # bit for bit (the one merge is exact: 2^(−inf) = 0, 2^0 = 1), so skip the second
-            # accumulator and the merge (fewer registers for the prefill tile).
-            m_i, l_i, acc = _split_state(
-                q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, ks, key_end, len_k, scale,
-                BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST,
-            )  # fmt: skip
-            out, lse = _finish(m_i, l_i, acc)
-            o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot
-            _store_rows(
-                o_base,
-                stride_ot,
-                stride_oh,
-                lse_ptr,
-                total_q,
-                q_row0 + qi,
-                qi,
-                hq,
-                offs_d,
-                mask_d,
-                row_ok,
-                out,
-                lse,
-            )
-        else:
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-            for lo in range(ks, key_end, SPLIT_N):  # splits of SPLIT_N keys anchored at ks, in order
-                m_s, l_s, acc_s = _split_state(
-                    q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, lo,
-                    tl.minimum(lo + SPLIT_N, key_end), len_k, scale,
-                    BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST,
-                )  # fmt: skip
-                m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
-            out, lse = _finish(m_i, l_i, acc)
-            o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot
-            _store_rows(
-                o_base,
-                stride_ot,
-                stride_oh,
-                lse_ptr,
-                total_q,
-                q_row0 + qi,
-                qi,
-                hq,
-                offs_d,
-                mask_d,
-                row_ok,
-                out,
-                lse,
-            )
-
-
-@triton.jit
-def _attn_merge_kernel(
-    o_ptr,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    lse_ptr,
-    part_ml_ptr,
-    part_acc_ptr,
-    key_start_ptr,
-    seqlen_q,
-    seqlen_k,
-    n_kv_heads,
-    group,
-    head_dim,
-    total_q,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLIT_N: tl.constexpr,
-    HAS_KEY_START: tl.constexpr,
-):
-    """Split-decode, second pass: merge a row tile's split partials in split order with ``_merge``
-    (the prefill's formula) and write out / lse2. Same row tiling as the partial pass (padded form)."""
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // n_kv_heads
-    hk = pid_bh % n_kv_heads
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
-        b, key_start_ptr, key_start_ptr, key_start_ptr, seqlen_q, seqlen_k, HAS_KEY_START, False
-    )
-    n_rows = len_q * group
-    row0 = pid_m * BLOCK_M
-    if row0 < n_rows:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_rows
-        qi = rows // group
-        hq = hk * group + rows % group
-        offs_d = tl.arange(0, BLOCK_D)
-        n_q_heads = n_kv_heads * group
-        flat = q_row0 + qi
-        last_row = tl.minimum(row0 + BLOCK_M, n_rows) - 1
-        key_end = len_k - len_q + last_row // group + 1
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        n_split = (key_end - ks + SPLIT_N - 1) // SPLIT_N  # the splits the partial pass wrote
-        for split in range(0, n_split):  # in order
-            ml = part_ml_ptr + split * 2 * n_q_heads * total_q + hq * total_q + flat
-            m_s = tl.load(ml, mask=row_ok, other=float("-inf"))
-            l_s = tl.load(ml + n_q_heads * total_q, mask=row_ok, other=0.0)
-            pa = part_acc_ptr + ((split * total_q + flat) * n_q_heads + hq) * BLOCK_D
-            acc_s = tl.load(pa[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, acc_s)
+        # The tile's key blocks, anchored at ks, in order (one masked loop; see the module header).
+        m_i, l_i, acc = _attend_blocks(
+            q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, ks, key_end, len_k, scale,
+            BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST,
+        )  # fmt: skip
         out, lse = _finish(m_i, l_i, acc)
-        o_base = o_ptr + b * stride_ob
-        mask_d = offs_d < head_dim
+        o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot
         _store_rows(
-            o_base, stride_ot, stride_oh, lse_ptr, total_q, flat, qi, hq, offs_d, mask_d, row_ok, out, lse
+            o_base,
+            stride_ot,
+            stride_oh,
+            lse_ptr,
+            total_q,
+            q_row0 + qi,
+            qi,
+            hq,
+            offs_d,
+            mask_d,
+            row_ok,
+            out,
+            lse,
         )
 
 
@@ -585,30 +402,18 @@ def attention_fwd(
     if n_seq == 0 or seqlen_q == 0 or total_q == 0:
         return out, lse
     cfg = config or launch_config(d, q.dtype, seqlen_q * group)
-    if SPLIT_N % cfg.block_n:
-        raise ValueError(f"SPLIT_N ({SPLIT_N}) must be a multiple of BLOCK_N ({cfg.block_n})")
     if n_seq * hkv > 65535:
         raise ValueError(f"batch × kv heads = {n_seq * hkv} exceeds the 65,535 programs of grid axis 1")
     row_tiles = _cdiv(seqlen_q * group, cfg.block_m)
-    split = use_split_decode(row_tiles * n_seq * hkv, seqlen_k, q.device, packed)
-    n_splits = _cdiv(seqlen_k, SPLIT_N) if split else 1
-    block_d = _block_d(d)
-    if split:
-        part_ml = torch.empty((n_splits, 2, hq, total_q), dtype=torch.float32, device=q.device)
-        part_acc = torch.empty((n_splits, total_q, hq, block_d), dtype=torch.float32, device=q.device)
-    else:
-        part_ml = part_acc = lse  # unused
     dummy = lse
-    # enable_fp_fusion=False on both kernels: no mul+add -> fma contraction, so the per-element
-    # arithmetic of the shared helpers (_split_state, _merge, _finish) rounds alike in the one-pass
-    # kernel and in the split-decode pair, whatever the compiler would contract in each.
+    # enable_fp_fusion=False: no mul+add -> fma contraction, so every product and sum of the online
+    # softmax rounds on its own, as in the reference, whatever the compiler would contract (and it
+    # is the configuration verified on the H100).
     with _device_guard(q):
-        _attn_fwd_kernel[(row_tiles, n_seq * hkv, n_splits)](
+        _attn_fwd_kernel[(row_tiles, n_seq * hkv)](
             out,
             *_strides4(out, packed),
             lse,
-            part_ml,
-            part_acc,
             q,
             *_strides4(q, packed),
             k,
@@ -627,11 +432,7 @@ def attention_fwd(
             scale * LOG2E,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
-            BLOCK_D=block_d,
-            SPLIT_N=SPLIT_N,
-            WRITE_PARTIAL=split,
-            # packed: every sequence's keys lie in k's N rows, so N <= SPLIT_N bounds them all (no sync)
-            ONE_SPLIT=(k.shape[0] if packed else seqlen_k) <= SPLIT_N,
+            BLOCK_D=_block_d(d),
             HAS_KEY_START=key_start is not None,
             IS_VARLEN=packed,
             INPUT_PRECISION=_precision(q.dtype),
@@ -640,25 +441,4 @@ def attention_fwd(
             num_stages=cfg.num_stages,
             enable_fp_fusion=False,
         )
-        if split:
-            _attn_merge_kernel[(row_tiles, n_seq * hkv)](
-                out,
-                *_strides4(out, packed),
-                lse,
-                part_ml,
-                part_acc,
-                key_start if key_start is not None else dummy,
-                seqlen_q,
-                seqlen_k,
-                hkv,
-                group,
-                d,
-                total_q,
-                BLOCK_M=cfg.block_m,
-                BLOCK_D=block_d,
-                SPLIT_N=SPLIT_N,
-                HAS_KEY_START=key_start is not None,
-                num_warps=cfg.num_warps,
-                enable_fp_fusion=False,
-            )
     return out, lse

@@ -5,25 +5,14 @@ sequence's first valid key s (``key_start``; 0 unless left-padded), c = scale·l
 
     out = Σ_{s ≤ j ≤ p} softmax_j(scale·q·k_j)·v_j,      lse2 = log2 Σ_{s ≤ j ≤ p} 2^(c·q·k_j)
 
-computed exactly as the Triton kernel orders it, a two-level online softmax. Keys are cut into
-splits of ``SPLIT_N`` keys anchored at s, [s, s+S), [s+S, s+2S), …, and each split into blocks of
-``BLOCK_N`` keys, [s+jS, s+jS+BN), … Within a split, from a fresh state (m, l, acc) = (−inf, 0, 0),
-the blocks are visited in order with the online softmax
+computed exactly as the Triton kernel orders it, a one-level online softmax over blocks of
+``BLOCK_N`` keys anchored at s, [s, s+BN), [s+BN, s+2BN), …, visited in order from the state
+(m, l, acc) = (−inf, 0, 0), every product and sum rounded on its own (the kernel runs without FMA):
 
     t = c·(q·k)  (−inf for keys > p),   m' = max(m, max_j t_j),   α = 2^(m − m'),   P = 2^(t − m')
-    l' = α·l + Σ_j P_j,   acc' = α·acc + Σ_j P_j·v_j
+    l' = α·l + Σ_j P_j,   acc' = α·acc + Σ_j P_j·v_j,      out = acc / l,   lse2 = m + log2 l
 
-and the split states are merged, in split order, into a running state (M, L, A) that starts at
-(−inf, 0, 0) (``merge``; every product and sum rounded on its own):
-
-    M' = max(M, m),   μ = M' (0 if −inf),   α = 2^(M − μ),   β = 2^(m − μ)
-    L' = α·L + β·l,   A' = α·A + β·acc,    out = A / L,   lse2 = M + log2 L
-
-The splits are what lets a KV-cache decode step spread one row over several GPU programs (one per
-split, then a merge kernel) and still give the bits of a prefill that runs the same formula in one
-program. A single split is exactly the one-level online softmax (the first merge is exact).
-In production ``SPLIT_N`` = 2^30: every call is one split (the two-level path is disabled after an
-H100 failure, see ``rlkernel.kernels.attention``); tests monkeypatch small values.
+(A two-level split-KV variant was tried on 2026-11-21 and removed: see benchmarks/NOTES.md.)
 
 Batch invariance (what makes this usable as the CPU path of a model whose decode must equal its
 prefill bit for bit): every quantity of a query row is computed by elementwise torch ops on that row
@@ -33,9 +22,9 @@ of elementwise adds over the power-of-two padded axis. Elementwise +, ·, /, max
 whatever the vectorization; ``torch.exp2`` is not (ATen runs SLEEF on full vectors and libm on
 the tail of a loop, which may differ by an ulp), so ``exp2`` here is built from float64 basic ops (a
 Taylor polynomial and an exact power of two from exponent bits) and rounded to float32. Blocks
-(and splits) that a row's causal mask fully hides are exact no-ops for that row
-(α = 1, P = 0; β = 0), so the number of blocks visited for the *other* rows never matters; here such rows
-are simply skipped. Queries are processed in chunks only to bound memory (all ops are per-row).
+that a row's causal mask fully hides are exact no-ops for that row (α = 1, P = 0), so the number
+of blocks visited for the *other* rows never matters; here such rows are simply skipped. Queries
+are processed in chunks only to bound memory (all ops are per-row).
 
 Provenance: the online softmax of Milakov & Gimelshein (2018) as used by FlashAttention
 (Dao et al. 2022); the key-block anchoring at each sequence's first real token is ours.
@@ -55,8 +44,7 @@ import math
 
 import torch
 
-BLOCK_N = 64
-SPLIT_N = 1 << 30  # keys per split; must equal rlkernel.kernels.attention.SPLIT_N (2^30: one split)
+BLOCK_N = 64  # keys per block: the kernel's BLOCK_N for 16-bit inputs, head_dim ≤ 128 (fwd_config)
 LOG2E = 1.4426950408889634
 CHUNK_ELEMENTS = 1 << 22  # ≤ 16 MiB fp32 per [rows, BLOCK_N, Hq, D] temporary
 
@@ -113,25 +101,6 @@ def _log2(x: torch.Tensor) -> torch.Tensor:
     return torch.log2(x.double()).to(x.dtype)
 
 
-def merge(
-    m_run: torch.Tensor,
-    l_run: torch.Tensor,
-    acc_run: torch.Tensor,
-    m_s: torch.Tensor,
-    l_s: torch.Tensor,
-    acc_s: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge a split's state (m_s [rows, Hq], l_s, acc_s [rows, Hq, D]) into the running one, the
-    kernel's ``_merge``: every product and sum rounded on its own (the kernel runs without FMA)."""
-    m_new = torch.maximum(m_run, m_s).detach()
-    m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-    alpha = _exp2(m_run - m_use)
-    beta = _exp2(m_s - m_use)
-    l_new = l_run * alpha + l_s * beta
-    acc_new = acc_run * alpha[..., None] + acc_s * beta[..., None]
-    return m_new, l_new, acc_new
-
-
 def _one_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -139,7 +108,6 @@ def _one_sequence(
     key_start: int,
     scale: float,
     block_n: int,
-    split_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [Tq, Hq, D], k/v [Tk, Hkv, D] of one sequence (query i at key position Tk − Tq + i; keys
     before ``key_start`` are padding). Returns out [Tq, Hq, D] (accumulation dtype) and lse2 [Tq, Hq]."""
@@ -154,41 +122,35 @@ def _one_sequence(
     c = torch.tensor(scale * LOG2E, dtype=torch.float32 if dt == torch.float32 else dt).to(dt)
     offset = tk - tq  # key position of query 0
     chunk = max(1, CHUNK_ELEMENTS // max(1, block_n * hq * d))
-    m_run = torch.full((tq, hq), -math.inf, dtype=dt, device=q.device)
-    l_run = torch.zeros((tq, hq), dtype=dt, device=q.device)
-    acc_run = torch.zeros((tq, hq, d), dtype=dt, device=q.device)
-    for s0 in range(key_start, tk, split_n):  # splits of split_n keys anchored at key_start, in order
-        m = torch.full((tq, hq), -math.inf, dtype=dt, device=q.device)  # fresh state per split
-        l = torch.zeros((tq, hq), dtype=dt, device=q.device)
-        acc = torch.zeros((tq, hq, d), dtype=dt, device=q.device)
-        for k0 in range(s0, min(s0 + split_n, tk), block_n):
-            i0 = max(0, k0 - offset)  # queries before i0 see no key of this block: exact no-ops, skipped
-            kb = kf[k0 : k0 + block_n]
-            vb = vf[k0 : k0 + block_n]
-            if kb.shape[0] < block_n:  # block past the end of the keys: the masked keys read zeros
-                pad = (0, 0, 0, 0, 0, block_n - kb.shape[0])
-                kb = torch.nn.functional.pad(kb, pad)
-                vb = torch.nn.functional.pad(vb, pad)
-            keys = k0 + torch.arange(block_n, device=q.device)
-            for r0 in range(i0, tq, chunk):
-                r1 = min(tq, r0 + chunk)
-                qpos = offset + torch.arange(r0, r1, device=q.device)
-                t = tree_sum(qf[r0:r1, None] * kb[None], dim=-1) * c  # [rows, BN, Hq]
-                t = t.masked_fill((keys[None, :] > qpos[:, None])[..., None], -math.inf)
-                m_old = m[r0:r1]
-                m_new = torch.maximum(m_old, t.amax(dim=1)).detach()
-                # A row that has seen no key yet keeps m = −inf; shift by 0 so that 2^(−inf − 0) = 0.
-                m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-                alpha = _exp2(m_old - m_use)
-                p = _exp2(t - m_use[:, None])
-                l_new = l[r0:r1] * alpha + tree_sum(p, dim=1)
-                pv = tree_sum(p[..., None] * vb[None], dim=1)  # [rows, Hq, D]
-                acc_new = acc[r0:r1] * alpha[..., None] + pv
-                m = torch.cat([m[:r0], m_new, m[r1:]])
-                l = torch.cat([l[:r0], l_new, l[r1:]])
-                acc = torch.cat([acc[:r0], acc_new, acc[r1:]])
-        m_run, l_run, acc_run = merge(m_run, l_run, acc_run, m, l, acc)
-    m, l, acc = m_run, l_run, acc_run
+    m = torch.full((tq, hq), -math.inf, dtype=dt, device=q.device)
+    l = torch.zeros((tq, hq), dtype=dt, device=q.device)
+    acc = torch.zeros((tq, hq, d), dtype=dt, device=q.device)
+    for k0 in range(key_start, tk, block_n):  # key blocks anchored at key_start, in order
+        i0 = max(0, k0 - offset)  # queries before i0 see no key of this block: exact no-ops, skipped
+        kb = kf[k0 : k0 + block_n]
+        vb = vf[k0 : k0 + block_n]
+        if kb.shape[0] < block_n:  # block past the end of the keys: the masked keys read zeros
+            pad = (0, 0, 0, 0, 0, block_n - kb.shape[0])
+            kb = torch.nn.functional.pad(kb, pad)
+            vb = torch.nn.functional.pad(vb, pad)
+        keys = k0 + torch.arange(block_n, device=q.device)
+        for r0 in range(i0, tq, chunk):
+            r1 = min(tq, r0 + chunk)
+            qpos = offset + torch.arange(r0, r1, device=q.device)
+            t = tree_sum(qf[r0:r1, None] * kb[None], dim=-1) * c  # [rows, BN, Hq]
+            t = t.masked_fill((keys[None, :] > qpos[:, None])[..., None], -math.inf)
+            m_old = m[r0:r1]
+            m_new = torch.maximum(m_old, t.amax(dim=1)).detach()
+            # A row that has seen no key yet keeps m = −inf; shift by 0 so that 2^(−inf − 0) = 0.
+            m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+            alpha = _exp2(m_old - m_use)
+            p = _exp2(t - m_use[:, None])
+            l_new = l[r0:r1] * alpha + tree_sum(p, dim=1)
+            pv = tree_sum(p[..., None] * vb[None], dim=1)  # [rows, Hq, D]
+            acc_new = acc[r0:r1] * alpha[..., None] + pv
+            m = torch.cat([m[:r0], m_new, m[r1:]])
+            l = torch.cat([l[:r0], l_new, l[r1:]])
+            acc = torch.cat([acc[:r0], acc_new, acc[r1:]])
     has_keys = l > 0
     safe_l = torch.where(has_keys, l, torch.ones_like(l))
     out = torch.where(has_keys[..., None], acc / safe_l[..., None], torch.zeros_like(acc))
@@ -206,24 +168,20 @@ def attention_with_lse(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     block_n: int | None = None,
-    split_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` plus the base-2 log-sum-exp of each row's scaled scores.
 
     Returns ``(out, lse2)``: ``out`` like ``q`` in ``q.dtype``; ``lse2`` fp32 (fp64 for fp64 input),
     ``[B, Tq, Hq]`` padded or ``[Nq, Hq]`` packed, +inf for rows that see no key."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    block_n = BLOCK_N if block_n is None else block_n  # read at call time: tests may patch them
-    split_n = SPLIT_N if split_n is None else split_n
-    if split_n % block_n:
-        raise ValueError(f"split_n ({split_n}) must be a multiple of block_n ({block_n})")
+    block_n = BLOCK_N if block_n is None else block_n  # read at call time: tests may patch it
     if cu_seqlens_q is not None:
         cq = cu_seqlens_q.tolist()
         ck = cu_seqlens_k.tolist()
         outs, lses = [], []
         for i in range(len(cq) - 1):
             o, s = _one_sequence(
-                q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], 0, scale, block_n, split_n
+                q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], 0, scale, block_n
             )
             outs.append(o)
             lses.append(s)
@@ -232,7 +190,7 @@ def attention_with_lse(
         lse = torch.cat(lses) if lses else q.new_zeros(q.shape[:-1], dtype=dt)
         return out.to(q.dtype), lse
     starts = [0] * q.shape[0] if key_start is None else [int(s) for s in key_start.tolist()]
-    results = [_one_sequence(q[b], k[b], v[b], starts[b], scale, block_n, split_n) for b in range(q.shape[0])]
+    results = [_one_sequence(q[b], k[b], v[b], starts[b], scale, block_n) for b in range(q.shape[0])]
     if not results:
         return q.clone(), q.new_zeros(q.shape[:-1], dtype=acc_dtype(q))
     out = torch.stack([r[0] for r in results]).to(q.dtype)
@@ -249,7 +207,6 @@ def attention(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     block_n: int | None = None,
-    split_n: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention with bottom-right aligned queries (see the module header).
 
@@ -261,8 +218,6 @@ def attention(
         cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` cumulative lengths (packed form, both or neither).
         block_n: keys per block (the kernel's BLOCK_N; it fixes the summation order); default
             ``BLOCK_N``.
-        split_n: keys per split of the two-level softmax (the kernel's SPLIT_N; a multiple of
-            block_n); default ``SPLIT_N``.
 
     Returns:
         ``out`` shaped like ``q``, in ``q.dtype``; rows that see no key (left padding) are 0.
@@ -276,5 +231,4 @@ def attention(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         block_n=block_n,
-        split_n=split_n,
     )[0]
