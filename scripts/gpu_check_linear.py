@@ -40,6 +40,7 @@ import rlkernel as rk  # noqa: E402
 from rlkernel.ops import _linear_function as lf  # noqa: E402
 from rlkernel.ops._linear_loss import autograd_coef_fn, ppo_kl_chunk_loss  # noqa: E402
 from rlkernel.reference import logprobs as ref  # noqa: E402
+from rlkernel.rl import token_loss as tl  # noqa: E402
 
 RESULTS: list[str] = []
 ROWS: list[tuple] = []
@@ -239,11 +240,7 @@ def dapo_coef_fn(d):
 
 
 def plan_coef_fn(d, cfg):
-    """The real per-chunk coefficients (rlkernel.rl.token_loss: one launch per chunk), or None."""
-    try:
-        from rlkernel.rl import token_loss as tl
-    except ImportError:
-        return None, None
+    """The real per-chunk coefficients: the rlkernel.rl.token_loss plan, one launch per chunk."""
     shp = (d["b"], d["t"])
     plan = tl.build_plan(
         cfg,
@@ -253,12 +250,20 @@ def plan_coef_fn(d, cfg):
         mask=d["mask"].reshape(shp),
         ref_logp=d["ref"].reshape(shp),
     )
+    return tl.as_coef_fn(plan), plan.tensors["ids"].reshape(-1)
 
-    def coef_fn(rows, logp, entropy):
-        t = tl.token_loss(plan, logp, entropy, start=rows.start, stop=rows.stop)
-        return t.loss, t.g_logp, t.g_entropy
 
-    return coef_fn, plan.tensors["ids"].reshape(-1)
+def dapo_policy_loss(logp, d, cfg):
+    """policy_loss of the DAPO inputs ``d`` on flat ``logp``."""
+    shp = (d["b"], d["t"])
+    return rk.policy_loss(
+        logp.reshape(shp),
+        d["old"].reshape(shp),
+        d["adv"].reshape(shp),
+        d["mask"].reshape(shp),
+        cfg,
+        ref_logp=d["ref"].reshape(shp),
+    )
 
 
 def fused_correctness(hid, w, b, ids):
@@ -275,15 +280,7 @@ def fused_correctness(hid, w, b, ids):
     grads = torch.autograd.grad(loss, leaves)
     rl = [t.detach().requires_grad_(True) for t in (hid, w, b)]
     rlogp = ref.linear_token_logprobs(rl[0], rl[1], d["ids"], bias=rl[2], temperature=T)
-    shp = (d["b"], d["t"])
-    out = rk.policy_loss(
-        rlogp.reshape(shp),
-        d["old"].reshape(shp),
-        d["adv"].reshape(shp),
-        d["mask"].reshape(shp),
-        cfg,
-        ref_logp=d["ref"].reshape(shp),
-    )
+    out = dapo_policy_loss(rlogp, d, cfg)
     rgrads = torch.autograd.grad(out.loss, rl)
     dl = abs(loss.item() - out.loss.item())
     rg = [rel(a, c) for a, c in zip(grads, rgrads, strict=True)]
@@ -291,14 +288,7 @@ def fused_correctness(hid, w, b, ids):
     # dL/dlogits to bf16 before its GEMMs, + policy_loss autograd) must agree closely.
     cl = [t.detach().requires_grad_(True) for t in (hid, w, b)]
     clogp = lf.linear_token_logprobs_triton(cl[0], cl[1], d["ids"], bias=cl[2], temperature=T)
-    cout = rk.policy_loss(
-        clogp.reshape(shp),
-        d["old"].reshape(shp),
-        d["adv"].reshape(shp),
-        d["mask"].reshape(shp),
-        cfg,
-        ref_logp=d["ref"].reshape(shp),
-    )
+    cout = dapo_policy_loss(clogp, d, cfg)
     cgrads = torch.autograd.grad(cout.loss, cl)
     rc = [rel(a, c) for a, c in zip(grads, cgrads, strict=True)]
     status(
@@ -316,9 +306,6 @@ def fused_correctness(hid, w, b, ids):
         + ", ".join(f"{x:.2e}" for x in rg),
     )
     coef, plan_ids = plan_coef_fn(d, cfg)
-    if coef is None:
-        print("  (rlkernel.rl.token_loss not importable: plan coef_fn not checked)")
-        return
     leaves = [t.detach().requires_grad_(True) for t in (hid, w, b)]
     loss2, _ = lf.fused_linear_token_loss(*leaves, plan_ids, coef_fn=coef, temperature=T)
     grads2 = torch.autograd.grad(loss2, leaves)
@@ -497,17 +484,16 @@ def timing():
     row(n, "fused DAPO-KL defaults", ms, pk, c3)
     cfg = rk.PolicyLossConfig.preset("dapo", kl_coef=KL, kl_estimator="k3")
     coef, plan_ids = plan_coef_fn(d, cfg)
-    if coef is not None:
-        leaves = [hid.detach().requires_grad_(True), w.detach().requires_grad_(True)]
+    leaves = [hid.detach().requires_grad_(True), w.detach().requires_grad_(True)]
 
-        def plan_call():
-            loss, _ = lf.fused_linear_token_loss(
-                leaves[0], leaves[1], None, plan_ids, coef_fn=coef, temperature=T
-            )
-            return torch.autograd.grad(loss, leaves)
+    def plan_call():
+        loss, _ = lf.fused_linear_token_loss(
+            leaves[0], leaves[1], None, plan_ids, coef_fn=coef, temperature=T
+        )
+        return torch.autograd.grad(loss, leaves)
 
-        ms, pk = bench(plan_call, reps=reps)
-        row(n, "fused DAPO-KL defaults, token_loss plan coef_fn", ms, pk, c3)
+    ms, pk = bench(plan_call, reps=reps)
+    row(n, "fused DAPO-KL defaults, token_loss plan coef_fn", ms, pk, c3)
     try:
         leaves = [hid.detach().requires_grad_(True), w.detach().requires_grad_(True)]
         shp = (d["b"], d["t"])

@@ -14,9 +14,7 @@ Implementations (same inputs, one process):
                      cfg, hidden=..., weight=...)`` (whatever path the public op takes in this build)
     rlkernel_engine  (loss workloads) the fused engine ``rlkernel.ops._linear_function.
                      fused_linear_token_loss`` (3 GEMMs) driven by the per-chunk coefficients of
-                     ``rlkernel.rl.token_loss`` (the DAPO-KL plan; one launch per chunk), or by
-                     autograd of ``rlkernel.ops._linear_loss.ppo_kl_chunk_loss`` where that module
-                     is missing (the row's notes say which)
+                     ``rlkernel.rl.token_loss`` (the DAPO-KL plan; one launch per chunk)
     torch            plain PyTorch: ``hidden @ W.T`` (bf16 logits), ``log_softmax(z.float() / T)``,
                      gather, the RL algebra of ``rlkernel.bench.logits.plain_policy_loss``; autograd.
                      Runs out of memory at large N (recorded as ``oom``). It is the cross-check
@@ -199,45 +197,23 @@ def _gemm_call(kind: Kind, inputs: list[dict]) -> Callable[[int], CallResult]:
     return call
 
 
-def _engine_coefs(cfg, spec: bl.LossSpec, inputs: list[dict]) -> str:
-    """Per input set: ``coef_fn`` and ``engine_ids`` for the fused engine. The token-loss plan of
-    ``rlkernel.rl.token_loss`` (one launch per chunk) when it exists, else plain-torch autograd."""
-    try:
-        from rlkernel.rl import token_loss as tl
-    except ImportError:
-        tl = None
-    from rlkernel.ops._linear_loss import autograd_coef_fn, ppo_kl_chunk_loss
+def _engine_coefs(cfg, inputs: list[dict]) -> str:
+    """Per input set: ``coef_fn`` and ``engine_ids`` for the fused engine, from the token-loss plan
+    of ``rlkernel.rl.token_loss`` (one launch per chunk), as ``fused_policy_loss`` drives it."""
+    from rlkernel.rl import token_loss as tl
 
     for inp in inputs:
         shp = (inp["b"], inp["t"])
-        if tl is not None:
-            plan = tl.build_plan(
-                cfg,
-                token_ids=inp["ids"].reshape(shp),
-                old_logp=inp["old_logp"].reshape(shp),
-                advantages=inp["advantages"].reshape(shp),
-                mask=inp["mask"].reshape(shp),
-                ref_logp=inp["ref_logp"].reshape(shp),
-            )
-
-            def coef_fn(rows, logp, entropy, plan=plan):
-                t = tl.token_loss(plan, logp, entropy, start=rows.start, stop=rows.stop)
-                return t.loss, t.g_logp, t.g_entropy
-
-            inp["coef_fn"], inp["engine_ids"] = coef_fn, plan.tensors["ids"].reshape(-1)
-        else:
-            chunk_loss = ppo_kl_chunk_loss(
-                inp["old_logp"],
-                inp["advantages"],
-                inp["mask"],
-                clip_low=spec.clip_low,
-                clip_high=spec.clip_high,
-                kl_coef=spec.kl_coef,
-                ref_logp=inp["ref_logp"],
-                dual_clip=spec.dual_clip,
-            )
-            inp["coef_fn"], inp["engine_ids"] = autograd_coef_fn(chunk_loss), inp["ids_masked"]
-    return "rlkernel.rl.token_loss plan" if tl is not None else "autograd of ppo_kl_chunk_loss"
+        plan = tl.build_plan(
+            cfg,
+            token_ids=inp["ids"].reshape(shp),
+            old_logp=inp["old_logp"].reshape(shp),
+            advantages=inp["advantages"].reshape(shp),
+            mask=inp["mask"].reshape(shp),
+            ref_logp=inp["ref_logp"].reshape(shp),
+        )
+        inp["coef_fn"], inp["engine_ids"] = tl.as_coef_fn(plan), plan.tensors["ids"].reshape(-1)
+    return "rlkernel.rl.token_loss plan"
 
 
 def _setup(kind: Kind, n: int, v: int, opts: Options):
@@ -294,7 +270,7 @@ def _setup(kind: Kind, n: int, v: int, opts: Options):
                 from rlkernel.ops._linear_function import fused_linear_token_loss
 
                 sizes = {"chunk_rows": SMOKE_CHUNK_ROWS, "grad_rows": SMOKE_GRAD_ROWS} if opts.smoke else {}
-                how = _engine_coefs(cfg, spec, inputs)
+                how = _engine_coefs(cfg, inputs)
 
                 def eng_fwd(inp):
                     loss, _ = fused_linear_token_loss(

@@ -29,8 +29,6 @@ Caveats:
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from rlkernel import _dispatch
@@ -44,17 +42,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # with its default no-atomics mode and one stream, and faster on shapes the kernel tiles poorly).
 # scripts/gpu_check_invariant_ops.py times and checks both; a one-line switch.
 BACKWARD_GEMM = "kernel"
-
-
-_kernel_found: bool | None = None
-
-
-def _kernel_available() -> bool:
-    # Cached in a module global (looked up once; a per-call find_spec would cost host time per op).
-    global _kernel_found
-    if _kernel_found is None:
-        _kernel_found = importlib.util.find_spec("rlkernel.kernels.matmul") is not None
-    return _kernel_found
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -164,7 +151,7 @@ def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str
 def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype in KERNEL_DTYPES and _kernel_available())
+    backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype in KERNEL_DTYPES)
     if torch.is_grad_enabled() and (
         x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):

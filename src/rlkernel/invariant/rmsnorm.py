@@ -19,8 +19,6 @@ Caveats:
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from rlkernel import _dispatch
@@ -28,17 +26,6 @@ from rlkernel import _validate as check
 from rlkernel.reference import rmsnorm as ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-_kernel_found: bool | None = None
-
-
-def _kernel_available() -> bool:
-    # Cached in a module global (looked up once; a per-call find_spec would cost host time per op).
-    global _kernel_found
-    if _kernel_found is None:
-        _kernel_found = importlib.util.find_spec("rlkernel.kernels.rmsnorm") is not None
-    return _kernel_found
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -113,7 +100,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     eps = check.positive_float("eps", eps)
     if x.shape[-1] < 1:
         raise ValueError(f"x must have a hidden dimension >= 1, got {check.describe(x)}")
-    has_kernel = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES and _kernel_available()
+    has_kernel = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
     backend = _dispatch.resolve_backend(x.device, has_kernel=has_kernel)
     if backend != "triton":
         return ref.rms_norm(x, weight, eps)

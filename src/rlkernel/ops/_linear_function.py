@@ -76,10 +76,8 @@ Caveats:
     * Without ``mm(out_dtype=...)`` on the GPU (older torch), chunk logits fall back to bf16 (the
       kernels still reduce in fp32) and each group's dweight product is rounded to bf16 before the
       fp32 sum, rather than an O(V·H) fp32 weight copy.
-    * fp32 logits need their gradient in bf16 (tensor-core GEMMs). The logprobs backward launcher
-      asserted equal dtypes (2026-11-21); until it accepts a bf16 output for fp32 logits, the
-      gradient is computed in place in fp32 and cast (one extra read of 4 and write of 2 bytes per
-      logit). ``_bwd_into`` switches to the one-pass path by itself once the launcher takes it.
+    * fp32 logits need their gradient in bf16 (tensor-core GEMMs): the logprobs backward kernel
+      reads the fp32 chunk and writes the bf16 gradient in one pass (it casts on store).
     * ``coef_fn`` runs once per chunk on the host; it must not sync (``.item()``), and must be
       elementwise in the rows it is given (token-level losses). Sequence-level losses (GSPO, GMPO)
       use the primitive (4 GEMMs).
@@ -160,29 +158,12 @@ def grad_rows_for(vocab: int, grad_dtype: torch.dtype) -> int:
     return _pow2_rows(GRAD_BYTES, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
 
 
-# Whether kernels.logprobs._token_logprobs_bwd accepts a gradient buffer of another float dtype
-# than the logits (its kernel casts on store; the launcher asserted equal dtypes as of 2026-11-21).
-_MIXED_BWD: bool | None = None
-
-
 def _bwd_into(z, ids, lse, entropy, g_logp, g_ent, grad, temperature, ignore_index):
     """The logits gradient of one chunk into ``grad``: ``z`` itself (in place) or a contiguous buffer
-    of the inputs' dtype when ``z`` is fp32. The mixed case is one kernel pass if the launcher takes
-    it; otherwise fp32 in place plus a cast copy (one more read of 4 and write of 2 bytes/logit)."""
-    global _MIXED_BWD
-    kw = {"temperature": temperature, "ignore_index": ignore_index}
-    if grad.dtype == z.dtype:
-        lk._token_logprobs_bwd(z, ids, lse, entropy, g_logp, g_ent, grad, **kw)
-        return
-    if _MIXED_BWD is not False:
-        try:
-            lk._token_logprobs_bwd(z, ids, lse, entropy, g_logp, g_ent, grad, **kw)
-            _MIXED_BWD = True
-            return
-        except AssertionError:
-            _MIXED_BWD = False
-    lk._token_logprobs_bwd(z, ids, lse, entropy, g_logp, g_ent, z, **kw)
-    grad.copy_(z)
+    of the inputs' dtype when ``z`` is fp32 (one pass: the kernel casts on store)."""
+    lk._token_logprobs_bwd(
+        z, ids, lse, entropy, g_logp, g_ent, grad, temperature=temperature, ignore_index=ignore_index
+    )
 
 
 def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:

@@ -22,14 +22,9 @@ def _triton_token_logprobs():
     return token_logprobs_triton
 
 
-def _linear_kernel_available(dtype: torch.dtype | None = None) -> bool:
-    """Whether the GPU linear path (``rlkernel.ops._linear_function``) handles ``dtype``: fp16,
-    bf16 and fp32 (fp64 has no kernel; the module also sends fp64 to the reference itself)."""
-    import importlib.util
-
-    if dtype == torch.float64:
-        return False
-    return importlib.util.find_spec("rlkernel.ops._linear_function") is not None
+def _linear_kernel_available(dtype: torch.dtype) -> bool:
+    """Whether the GPU linear path handles ``dtype``: fp16, bf16 and fp32 (fp64 has no kernel)."""
+    return dtype != torch.float64
 
 
 def _check_common(

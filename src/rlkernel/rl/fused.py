@@ -66,27 +66,24 @@ TOKEN_LEVEL_FUSION = True
 GRAD_IN_FORWARD_MAX_VOCAB = 65536
 
 
-def _token_level(cfg: PolicyLossConfig, logits: torch.Tensor | None) -> bool:
-    """Whether this call takes the fused token-level path (see the module docstring)."""
-    if not TOKEN_LEVEL_FUSION or logits is None or not token_loss.is_eligible(cfg):
+def _token_level(cfg: PolicyLossConfig, x: object) -> bool:
+    """Whether a call whose logits (or hidden states) are ``x`` takes a fused token-level path: an
+    eligible objective, eager mode, and the Triton backend for ``x`` (see the module docstring)."""
+    if not TOKEN_LEVEL_FUSION or not isinstance(x, torch.Tensor) or not token_loss.is_eligible(cfg):
         return False
-    if torch.compiler.is_compiling() or not isinstance(logits, torch.Tensor):
+    if torch.compiler.is_compiling():
         return False
-    has_kernel = logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return _dispatch.resolve_backend(logits.device, has_kernel=has_kernel) == "triton"
+    has_kernel = x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return _dispatch.resolve_backend(x.device, has_kernel=has_kernel) == "triton"
 
 
 def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object) -> bool:
     """Whether a hidden-state call takes the fused linear path (gradient computed while each
     chunk's logits are live: 3 GEMMs instead of 4; see rlkernel.ops._linear_function)."""
-    if not TOKEN_LEVEL_FUSION or hidden is None or not token_loss.is_eligible(cfg):
+    if not isinstance(weight, torch.Tensor) or not isinstance(hidden, torch.Tensor):
         return False
-    if torch.compiler.is_compiling() or not isinstance(hidden, torch.Tensor):
-        return False
-    if not isinstance(weight, torch.Tensor) or weight.dtype != hidden.dtype:
-        return False  # the primitive path raises the clear error
-    has_kernel = hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return _dispatch.resolve_backend(hidden.device, has_kernel=has_kernel) == "triton"
+    # A dtype mismatch takes the primitive path, which raises the clear error.
+    return weight.dtype == hidden.dtype and _token_level(cfg, hidden)
 
 
 def _masked_ids(token_ids: object, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +213,13 @@ def fused_policy_loss(
             options["validate"] = True
         out = linear_token_logprobs(hidden, weight, ids, bias=bias, tp_group=tp_group, **options)
     logp, entropy = out if want_entropy else (out, None)
-    rest = {k: v for k, v in batch.items() if k not in ("old_logp", "advantages", "mask")}
-    return policy_loss(logp, old_logp, advantages, mask, cfg, entropy=entropy, **rest)
+    return _composed(logp, entropy, cfg, batch)
+
+
+def _composed(logp, entropy, cfg, batch) -> PolicyLossOutput:
+    """``policy_loss`` of ``logp`` (and ``entropy``) with the call's ``[B, T]`` inputs ``batch``
+    (keyed by policy_loss's own parameter names)."""
+    return policy_loss(logp, cfg=cfg, entropy=entropy, **batch)
 
 
 def _plan(cfg, token_ids, masked_ids, batch) -> token_loss.TokenLossPlan:
@@ -228,14 +230,7 @@ def _plan(cfg, token_ids, masked_ids, batch) -> token_loss.TokenLossPlan:
 def _output(loss, logp, entropy, cfg, batch) -> PolicyLossOutput:
     """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
     metrics equal the composed path's."""
-
-    def metrics() -> dict[str, torch.Tensor]:
-        rest = {k: v for k, v in batch.items() if k not in ("old_logp", "advantages", "mask")}
-        return policy_loss(
-            logp, batch["old_logp"], batch["advantages"], batch["mask"], cfg, entropy=entropy, **rest
-        ).metrics
-
-    return PolicyLossOutput(loss, compute_metrics=metrics)
+    return PolicyLossOutput(loss, compute_metrics=lambda: _composed(logp, entropy, cfg, batch).metrics)
 
 
 def _fused_token_level(cfg, logits, token_ids, masked_ids, batch, temperature, inplace_backward):
