@@ -1,6 +1,6 @@
 """The GPU linear path: hidden states → log-probs / entropy / token-level loss, chunk by chunk.
 
-Two autograd Functions share one chunk engine (:class:`_Engine`):
+Two autograd Functions share one chunk engine (:class:`_Engine`, in :mod:`rlkernel.ops._linear_engine`):
 
     linear_token_logprobs_triton   the primitive behind ``rlkernel.linear_token_logprobs``: forward
                                    streams the rows in chunks (1 GEMM); backward recomputes each
@@ -8,6 +8,10 @@ Two autograd Functions share one chunk engine (:class:`_Engine`):
     fused_linear_token_loss        a token-level loss whose per-token coefficients are known while a
                                    chunk's logits are live (``coef_fn``): the gradient is computed in
                                    the forward pass (3 GEMMs in all); backward only scales it.
+
+This module keeps the tunables (module globals, read at call time so that callers and tests can
+change them), the chunk-size rules that read them, the final dweight cast, both Functions and their
+entry points; :mod:`rlkernel.ops._linear_engine` holds the chunk loop state and its helpers.
 
 Rows go in *groups* of ``G`` rows, each group in *chunks* of ``C`` rows (G a multiple of C). The
 group's hidden rows are staged into a fixed ``[G, H]`` buffer; then, per chunk:
@@ -90,7 +94,12 @@ from typing import Literal
 
 import torch
 
-from rlkernel.kernels import logprobs as lk
+from rlkernel.ops._linear_engine import (  # noqa: F401 - _mm_out_dtype_supported: re-exported
+    _dweight_buffer,
+    _Engine,
+    _mm_out_dtype_supported,
+    _padded,
+)
 
 LogitsDtype = Literal["fp32", "input"]
 DweightAccum = Literal["fp32", "weight"]
@@ -120,23 +129,6 @@ CoefFn = Callable[
     "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]",
 ]
 
-_out_dtype_ok: dict[str, bool] = {}
-
-
-def _mm_out_dtype_supported(device: torch.device) -> bool:
-    """Whether ``torch.mm(bf16, bf16, out_dtype=torch.float32)`` runs on this device type (cached)."""
-    key = device.type
-    if key not in _out_dtype_ok:
-        try:
-            a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-            torch.mm(a, a, out_dtype=torch.float32)
-            acc = torch.zeros(16, 16, dtype=torch.float32, device=device)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            _out_dtype_ok[key] = bool(acc[0, 0].item() == 16.0)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _out_dtype_ok[key] = False
-    return _out_dtype_ok[key]
-
 
 def _pow2_rows(budget: int, per_row: int, lo: int, hi: int) -> int:
     rows = max(1, budget // max(per_row, 1))
@@ -158,14 +150,6 @@ def grad_rows_for(vocab: int, grad_dtype: torch.dtype) -> int:
     return _pow2_rows(GRAD_BYTES, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
 
 
-def _bwd_into(z, ids, lse, entropy, g_logp, g_ent, grad, temperature, ignore_index):
-    """The logits gradient of one chunk into ``grad``: ``z`` itself (in place) or a contiguous buffer
-    of the inputs' dtype when ``z`` is fp32 (one pass: the kernel casts on store)."""
-    lk._token_logprobs_bwd(
-        z, ids, lse, entropy, g_logp, g_ent, grad, temperature=temperature, ignore_index=ignore_index
-    )
-
-
 def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
     """``(acc * scale).to(dtype)`` for a contiguous fp32 ``[V, H]`` accumulator, written slab by slab
     into the first half of ``acc``'s storage (no second V·H buffer). Slab k ≥ 1 of the output lies
@@ -185,130 +169,6 @@ def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.T
         else:
             out[rows].copy_(src)
     return out
-
-
-class _Engine:
-    """One call's chunk loop state: staging buffers, the fixed chunk sizes, and the GEMM choices.
-
-    Rows go in *groups* of ``cg`` rows (the backward GEMMs' M, resp. K for dweight), each group in
-    *chunks* of ``c`` rows (the logits GEMM's M: the unit of row invariance). ``cg`` is a multiple
-    of ``c``. Group buffers: hidden rows ``[cg, H]`` and the gradient ``[cg, V]`` (input dtype); the
-    fp32 logits of one chunk ``[c, V]`` (bf16 logits live in the gradient buffer, in place).
-    """
-
-    def __init__(self, hidden, weight, bias, ids, temperature, ignore_index, opts):
-        self.h, self.w, self.ids = hidden, weight, ids
-        self.t, self.ii = float(temperature), int(ignore_index)
-        self.n, self.hdim = hidden.shape
-        self.v = weight.shape[0]
-        dev, dt = hidden.device, hidden.dtype
-        self.w32 = None
-        zdt = dt
-        if dt in (torch.float16, torch.bfloat16) and opts["logits"] == "fp32":
-            if dev.type != "cuda":
-                # CPU (interpreter tests): no mm(out_dtype=...) there; an fp32 weight copy per call.
-                zdt, self.w32 = torch.float32, weight.float()
-            elif _mm_out_dtype_supported(dev):
-                zdt = torch.float32
-        self.zdt = zdt
-        self.c = opts["chunk_rows"] or chunk_rows_for(self.v, zdt, dt)
-        cg = opts["grad_rows"] or grad_rows_for(self.v, dt)
-        self.cg = max(self.c, cg // self.c * self.c)
-        self.hbuf = torch.empty(self.cg, self.hdim, dtype=dt, device=dev)
-        self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)
-        self.zbuf = None if zdt == dt else torch.empty(self.c, self.v, dtype=zdt, device=dev)
-        self.idbuf = torch.full((self.cg,), self.ii, dtype=torch.int64, device=dev)
-        self.bias_z = None if bias is None else bias.to(zdt)
-        self.active = ids != self.ii
-        self.dw_started = False
-
-    def groups(self):
-        for start in range(0, self.n, self.cg):
-            yield slice(start, min(start + self.cg, self.n))
-
-    def stage(self, rows: slice) -> tuple[int, int]:
-        """Copy a group's hidden rows and ids into the fixed buffers (ignored rows zeroed, the tail
-        padded with zero rows and ignore_index ids); returns (real rows, rows of whole chunks)."""
-        n = rows.stop - rows.start
-        m = -(-n // self.c) * self.c
-        hb = self.hbuf
-        hb[:n].copy_(self.h[rows])
-        hb[:n].masked_fill_(~self.active[rows, None], 0)
-        hb[n:m].zero_()
-        self.idbuf[:n].copy_(self.ids[rows])
-        self.idbuf[n:m].fill_(self.ii)
-        return n, m
-
-    def chunk(self, k: int) -> tuple[slice, torch.Tensor]:
-        """Logits of chunk k of the staged group (always ``c`` rows: row invariance)."""
-        sl = slice(k * self.c, (k + 1) * self.c)
-        hb = self.hbuf[sl]
-        z = self.g[sl] if self.zbuf is None else self.zbuf
-        if self.w32 is not None:
-            torch.mm(hb.float(), self.w32.t(), out=z)
-        elif z.dtype != hb.dtype:
-            torch.mm(hb, self.w.t(), out_dtype=z.dtype, out=z)
-        else:
-            torch.mm(hb, self.w.t(), out=z)
-        if self.bias_z is not None:
-            z.add_(self.bias_z)
-        return sl, z
-
-    def stats(self, sl, z, with_entropy):
-        """Forward kernel over one chunk: fp32 ``(logp, entropy or None, lse)``, ``c`` rows each."""
-        c, dev = self.c, z.device
-        lp = torch.empty(c, dtype=torch.float32, device=dev)
-        ls = torch.empty(c, dtype=torch.float32, device=dev)
-        en = torch.empty(c, dtype=torch.float32, device=dev) if with_entropy else None
-        lk._token_logprobs_fwd(z, self.idbuf[sl], lp, en, ls, temperature=self.t, ignore_index=self.ii)
-        return lp, en, ls
-
-    def chunk_grad(self, sl, z, lse, entropy, g_logp, g_ent):
-        """The chunk's logits gradient into rows ``sl`` of the group's gradient buffer."""
-        _bwd_into(z, self.idbuf[sl], lse, entropy, g_logp, g_ent, self.g[sl], self.t, self.ii)
-
-    def group_grads(self, rows, n, m, dh, dw, db):
-        """dhidden rows, dweight and dbias contributions of the staged group (first m rows)."""
-        g, hb = self.g[:m], self.hbuf[:m]
-        if dh is not None:
-            if n == m:
-                torch.mm(g, self.w, out=dh[rows])
-            else:
-                dh[rows] = torch.mm(g, self.w)[:n]
-        if dw is not None:
-            # The first group writes (beta = 0): no zero-fill and no read of the V·H accumulator.
-            first, self.dw_started = not self.dw_started, True
-            if dw.dtype == g.dtype:  # fp32 inputs, or dweight_accum="weight"
-                torch.mm(g.t(), hb, out=dw) if first else dw.addmm_(g.t(), hb)
-            elif g.device.type == "cuda" and _mm_out_dtype_supported(g.device):
-                if first:
-                    torch.mm(g.t(), hb, out_dtype=torch.float32, out=dw)
-                else:
-                    torch.addmm(dw, g.t(), hb, out_dtype=torch.float32, out=dw)
-            elif g.device.type == "cuda":
-                # No mm(out_dtype=...) in this torch: the group's product is rounded to the input
-                # dtype once (a V·H temporary), the sum across groups stays fp32.
-                part = torch.mm(g.t(), hb)
-                dw.copy_(part) if first else dw.add_(part)
-            else:  # CPU: fp32 math on an upcast copy of the group
-                torch.mm(g.t().float(), hb.float(), out=dw) if first else dw.addmm_(g.t().float(), hb.float())
-        if db is not None:
-            db += g.sum(0, dtype=torch.float32)
-
-
-def _padded(x, c, start, n):
-    """fp32 ``[c]`` with ``x[start:start + n]`` first and zeros after (None stays None)."""
-    if x is None:
-        return None
-    out = torch.zeros(c, dtype=torch.float32, device=x.device)
-    out[:n] = x[start : start + n]
-    return out
-
-
-def _dweight_buffer(weight, accum):
-    # Uninitialized: the first group's GEMM writes it (``_Engine.group_grads``); N = 0 zeroes it.
-    dt = torch.float32 if accum == "fp32" else weight.dtype
-    return torch.empty(weight.shape, dtype=dt, device=weight.device)
 
 
 def _finish_dweight(dw, dtype, scale):
