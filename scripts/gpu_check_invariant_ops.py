@@ -56,9 +56,11 @@ inv_matmul = importlib.import_module("rlkernel.invariant.matmul")
 DEV = torch.device("cpu" if SMOKE else "cuda")
 BF16 = torch.bfloat16
 # Candidates timed per shape next to the table (INFO), all in the bf16 class of the earlier H100
-# runs: at M <= 64 the former picks (the table now uses mma16_n32/mma16_n16 there); at M = 256 and
+# runs: at M <= 64 the decode sweep's 16-row tiles (and the former mma16_n32); at M = 256 and
 # 2048 (where the table is 2-4x cuBLAS) the class's other tiles, to choose those cells.
-CAND_SMALL = ("mma16", "decode_n32", "mma16_n32", "mma16_n16")
+CAND_SMALL = (
+    "mma16_n32", "dec_n16_k256", "dec_n32_k256", "dec_n64_k128_s8", "dec_n64_k128_s4", "dec_n64_k64_s12"
+)  # fmt: skip
 CAND_MID = ("decode", "decode_n16", "decode_n32", "mma16_n32", "mid", "mid_tma", "prefill", "prefill_256x128")
 CAND_LARGE = ("decode", "mid", "mid_tma", "prefill", "prefill_256x128", "prefill_tma_flat", "prefill_tma_ws")
 EXTRA = ("mid_tma", "prefill")  # bf16 class members timed above but not in the table: class INFO
@@ -74,7 +76,7 @@ if SMOKE:
     km.NARROW_N, km.VOCAB_N, km.MIN_TILES, km.MIN_TILES_TMA = 16, 400, 1, 1
 else:
     K, N, M_FULL, OFFSET = 4096, 4096, 8192, 37
-    MS = (1, 3, 8, 16, 17, 64, 65, 1000, 1024, 1025, 8192)
+    MS = (1, 2, 8, 16, 17, 32, 33, 64, 65, 1000, 1024, 1025, 8192)
     BIG_M = 100_000
     SHAPES = {
         "q/o 4096->4096": (4096, 4096),
@@ -83,7 +85,7 @@ else:
         "down 12288->4096": (12288, 4096),
         "lm_head 4096->151936": (4096, 151936),
     }
-    PERF_MS = (1, 8, 64, 256, 2048, 8192)
+    PERF_MS = (1, 8, 32, 64, 256, 2048, 8192)
     RMS_SHAPES = {"hidden [8192,4096]": (8192, 4096), "qk_norm [262144,128]": (262144, 128)}
     REPS, WARMUP = 25, 3
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}

@@ -42,7 +42,10 @@ def requested_backend() -> str:
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
-    return _check_backend(os.environ.get(ENV_VAR, "auto") or "auto", f"environment variable {ENV_VAR}")
+    env = os.environ.get(ENV_VAR)
+    if not env:  # unset or empty: the common case, no parsing (every op asks, per call)
+        return "auto"
+    return _check_backend(env, f"environment variable {ENV_VAR}")
 
 
 @contextlib.contextmanager

@@ -335,13 +335,13 @@ def test_bad_input():
         attention(q, k, v, key_start=torch.zeros(1))
     with pytest.raises(ValueError, match="scale"):
         attention(q, k, v, scale=-1.0)
-    cu = torch.tensor([0, 5])
+    cu = torch.tensor([0, 5], device=DEVICE)
     with pytest.raises(ValueError, match="together"):
         attention(q[0], k[0], v[0], cu_seqlens_q=cu)
     with pytest.raises(ValueError, match="cu_seqlens_k"):
-        attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 4]))
+        attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 4], device=DEVICE))
     with pytest.raises(ValueError, match="as many keys"):
-        attention(q[0], k[0, :3], v[0, :3], cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 3]))
+        attention(q[0], k[0, :3], v[0, :3], cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 3], device=DEVICE))
     with pytest.raises(ValueError, match="key_start"):
         attention(
             q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, key_start=torch.zeros(1, dtype=torch.long)
@@ -430,3 +430,31 @@ def test_no_grad_fast_path_same_bits(backend):
     slow = attention(*leaves)
     assert slow.requires_grad and not fast.requires_grad
     assert torch.equal(fast, slow.detach())
+
+
+@pytest.mark.parametrize("tq", [1, 5])  # a decode step against a cache; a chunk of prefill
+def test_heads_first_entry_same_bits(backend, tq):
+    """``attention_heads_first`` (HF's [B, H, T, D] layout, read through strides when no gradient
+    is kept) equals ``attention`` on the transposed views bitwise, with and without key_start, and
+    falls back to it (gradient kept) when an input requires grad."""
+    from rlkernel.invariant.attention import attention_heads_first
+
+    b, hq, hkv, tk, d = 3, 4, 2, 11, 16
+    q = randn(b, hq, tq, d, dtype=torch.bfloat16, seed=31)
+    k = randn(b, hkv, tk, d, dtype=torch.bfloat16, seed=32)
+    v = randn(b, hkv, tk, d, dtype=torch.bfloat16, seed=33)
+    scale = d**-0.5
+    for key_start in (None, torch.tensor([0, 2, 9], device=DEVICE)):
+        with torch.no_grad():
+            got = attention_heads_first(q, k, v, scale=scale, key_start=key_start)
+            want = attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, key_start=key_start
+            )
+        assert got.shape == (b, tq, hq, d)
+        assert torch.equal(got, want)
+    leaf = q.clone().requires_grad_(True)
+    with_grad = attention_heads_first(leaf, k, v, scale=scale, key_start=None)
+    assert with_grad.requires_grad
+    with torch.no_grad():
+        plain = attention_heads_first(q, k, v, scale=scale, key_start=None)
+    assert torch.equal(with_grad.detach(), plain)

@@ -13,6 +13,8 @@ from rlkernel.invariant.hf_attention import (  # noqa: E402
 )
 
 HQ, HKV, D = 4, 2, 16
+# The adapter test runs where the kernels run: CUDA on a GPU machine, the CPU interpreter otherwise.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def tiny_model(kind):
@@ -89,15 +91,16 @@ def test_adapter_rows_bitwise_equal_across_compositions(backend):
     """Prefill alone, left-padded batch, right-padded batch, packed (block-diagonal mask) and
     token-by-token decode against a left-padded cache all give one sequence the same bits."""
     lens = [9, 14, 5]
-    seqs = [seq_states(t, seed=i) for i, t in enumerate(lens)]
+    seqs = [[x.to(DEVICE) for x in seq_states(t, seed=i)] for i, t in enumerate(lens)]
     module = FakeModule()
     alone = [hf_attention_forward(module, q[None], k[None], v[None], None)[0][0] for q, k, v in seqs]
     total = max(lens)
     valid_left = torch.stack([torch.arange(total) >= total - t for t in lens])
     valid_right = torch.stack([torch.arange(total) < t for t in lens])
     for side, valid in (("left", valid_left), ("right", valid_right)):
-        q, k, v = (stack([s[j] for s in seqs], total, side) for j in range(3))
-        out = hf_attention_forward(module, q, k, v, hf_mask(valid, total, total), scaling=D**-0.5)[0]
+        q, k, v = (stack([s[j].cpu() for s in seqs], total, side).to(DEVICE) for j in range(3))
+        mask = hf_mask(valid, total, total).to(DEVICE)
+        out = hf_attention_forward(module, q, k, v, mask, scaling=D**-0.5)[0]
         for i, t in enumerate(lens):
             rows = slice(total - t, total) if side == "left" else slice(0, t)
             assert torch.equal(out[i, rows], alone[i])
@@ -105,9 +108,9 @@ def test_adapter_rows_bitwise_equal_across_compositions(backend):
     for back in (2, 1):
         width = total - back + 1
         parts = [[x[:, : t - back + 1] for x in s] for s, t in zip(seqs, lens, strict=True)]
-        q, k, v = (stack([p[j] for p in parts], width, "left") for j in range(3))
+        q, k, v = (stack([p[j].cpu() for p in parts], width, "left").to(DEVICE) for j in range(3))
         valid = torch.stack([torch.arange(width) >= width - (t - back + 1) for t in lens])
-        out = hf_attention_forward(module, q[:, :, -1:], k, v, hf_mask(valid, 1, width))[0]
+        out = hf_attention_forward(module, q[:, :, -1:], k, v, hf_mask(valid, 1, width).to(DEVICE))[0]
         for i, t in enumerate(lens):
             assert torch.equal(out[i, 0], alone[i][t - back])
     # packed: one row holding all three sequences, block-diagonal mask as transformers builds it
@@ -115,11 +118,11 @@ def test_adapter_rows_bitwise_equal_across_compositions(backend):
     n = sum(lens)
     seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
     block = (seg[:, None] == seg[None, :]) & (torch.arange(n)[None, :] <= torch.arange(n)[:, None])
-    out = hf_attention_forward(module, q, k, v, block[None, None])[0][0]
+    out = hf_attention_forward(module, q, k, v, block[None, None].to(DEVICE))[0][0]
     starts = [0, lens[0], lens[0] + lens[1]]
     for i, t in enumerate(lens):
         assert torch.equal(out[starts[i] : starts[i] + t], alone[i])
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     out_kw = hf_attention_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0][0]
     assert torch.equal(out_kw, out)
 

@@ -92,6 +92,8 @@ VERIFIED_CLASS = {
     torch.bfloat16: {
         "prefill", "prefill_tma", "prefill_tma_flat", "prefill_tma_ws", "prefill_256x128", "mid", "mid_tma",
         "decode", "decode_tma", "decode_n32", "decode_n16", "decode_k128", "mma16", "mma16_n32", "mma16_n16",
+        # 2026-11-21 decode sweep (gpu_decode_gemm_sweep_h100_2026-11-21.log): BLOCK_K 64-256, GROUP_M 8
+        "dec_n16_k256", "dec_n32_k256", "dec_n64_k128_s8", "dec_n64_k128_s4", "dec_n64_k64_s12",
     },
     torch.float16: {"prefill", "prefill_tma", "mid", "decode", "decode_tma", "decode_n32", "decode_n16"},
     torch.float32: {"fp32", "fp32_decode"},
@@ -112,8 +114,8 @@ def test_single_mode_ignores_m(monkeypatch):
 def test_tuned_table_uses_only_the_verified_class(dtype):
     table = km.table_configs(dtype, mode="tuned")
     assert {c.name for c in table} <= VERIFIED_CLASS[dtype]
-    if dtype != torch.float32:  # the same K steps: BLOCK_K = 64 everywhere (fp32: 32)
-        assert {c.block_k for c in table} == {64}
+    if dtype != torch.float32:  # k16 tensor-core steps: BLOCK_K a multiple of 64 (fp32: 32, FMA)
+        assert all(c.block_k in (64, 128, 256) for c in table)
     for max_m, cells in km.TUNED[dtype]:
         assert set(cells) == {"narrow", "wide", "vocab"}
         assert all(not cfgs[-1].tma for cfgs in cells.values()), max_m  # a pointer config to fall to
@@ -125,16 +127,26 @@ def test_tuned_table_uses_only_the_verified_class(dtype):
 
 
 def test_tuned_table_choices_follow_the_h100_measurements():
-    """The picks the logs support (bf16): 16-row tiles for decode (n16 narrow, n32 wide, mma16 for
-    the LM head at M <= 16), 128x256 TMA for big prefill."""
+    """The picks the logs support (bf16): 16-row tiles with deep K stages for decode (the decode
+    sweep's fastest per M bucket and weight class; the LM head at M = 33-64 on the 64-row wgmma
+    tile), 128x256 TMA for big prefill."""
     bf16 = torch.bfloat16
 
     def pick(m, n, k=4096, tma=True):
         return km.config_for(m, n, k, bf16, mode="tuned", tma=tma).name
 
-    for m in (1, 8, 16, 17, 64):
-        assert [pick(m, n) for n in (1024, 4096, 12288)] == ["mma16_n16"] + ["mma16_n32"] * 2, m
-    assert [pick(m, 151936) for m in (1, 16, 17, 64)] == ["mma16"] * 2 + ["decode_n32"] * 2
+    decode = {  # M: (narrow, wide, vocab)
+        1: ("dec_n32_k256", "dec_n64_k128_s8", "dec_n64_k128_s8"),
+        8: ("dec_n16_k256", "dec_n32_k256", "dec_n64_k128_s8"),
+        16: ("dec_n16_k256", "dec_n32_k256", "dec_n64_k128_s8"),
+        17: ("dec_n16_k256", "dec_n32_k256", "dec_n64_k64_s12"),
+        32: ("dec_n16_k256", "dec_n32_k256", "dec_n64_k64_s12"),
+        33: ("dec_n16_k256", "dec_n64_k128_s4", "decode_n32"),
+        64: ("dec_n16_k256", "dec_n64_k128_s4", "decode_n32"),
+    }
+    for m, names in decode.items():
+        assert tuple(pick(m, n) for n in (1024, 12288, 151936)) == names, m
+        assert pick(m, 4096) == names[1], m
     assert [pick(8192, n) for n in (1024, 4096, 12288)] == ["prefill_256x128"] + ["prefill_tma_flat"] * 2
     assert pick(8192, 151936) == "prefill_tma_ws"
     assert pick(8192, 4096, tma=False) == "prefill_256x128"  # no TMA: the bucket's pointer config
@@ -343,11 +355,23 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-def test_no_grad_fast_path_same_bits(backend):
-    """Without gradients the forward runs without the autograd Function: same bits."""
-    x, w, b = _inputs(3, 40, 24, torch.bfloat16, seed=5)
+@pytest.mark.parametrize("layout", ["2d", "3d", "3d_strided", "bias_strided"])
+def test_no_grad_fast_path_same_bits(backend, layout):
+    """Without gradients the forward runs the launcher directly (no autograd Function, no reshape
+    or transpose views: ``kernels.matmul.linear_forward``): same bits as the gradient path, for
+    2-D and batched x, a non-contiguous x (read through a copy) and a strided bias."""
+    x, w, b = _inputs(6, 40, 24, torch.bfloat16, seed=5)
+    if layout == "3d":
+        x = x.reshape(2, 3, 40)
+    elif layout == "3d_strided":
+        x = torch.stack([x, x], dim=-1).reshape(2, 3, 40, 2)[..., 0]
+        assert not x.is_contiguous()
+    elif layout == "bias_strided":
+        b = torch.stack([b, b], dim=1)[:, 0]
+        assert not b.is_contiguous()
     with torch.no_grad():
         fast = linear(x, w, b)
     slow = linear(x, w.clone().requires_grad_(True), b)
     assert slow.requires_grad and not fast.requires_grad
+    assert fast.shape == (*x.shape[:-1], 24)
     assert torch.equal(fast, slow.detach())

@@ -187,12 +187,16 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
-def test_no_grad_fast_path_same_bits(backend):
-    """Without gradients the forward op runs without the autograd Function: same bits."""
-    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+@pytest.mark.parametrize("shape", [(5, 24), (2, 3, 24), (2, 1, 3, 24)])
+def test_no_grad_fast_path_same_bits(backend, shape):
+    """Without gradients the forward runs on x as it is (``kernels.rmsnorm.rms_norm_forward``, no
+    autograd Function, no reshape; rank 4 = the QK-norm's [B, T, H, D]): same bits."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     w = torch.randn(24, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         fast = rms_norm(x, w)
+        strided = rms_norm(torch.stack([x, x], dim=-1)[..., 0], w)  # not contiguous: the reshape path
     slow = rms_norm(x.clone().requires_grad_(True), w)
     assert slow.requires_grad and not fast.requires_grad
     assert torch.equal(fast, slow.detach())
+    assert torch.equal(strided, fast)

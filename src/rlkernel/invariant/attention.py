@@ -272,3 +272,36 @@ def attention(
         # host overhead; the same op, so the same bits.
         return _call(_fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)[0]
     return _AttentionFunction.apply(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
+
+
+def attention_heads_first(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, key_start: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`attention` on HF's layout: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``; returns
+    ``[B, Tq, Hq, D]`` (what HF's attention functions return). Without a gradient to keep (a rollout
+    or decode step) the kernel reads the three tensors through their strides (no transposed views,
+    no second round of checks); otherwise, or off the common case, it is
+    ``attention(q.transpose(1, 2), …)`` with every check. Same bits either way."""
+    b, hq, tq, d = q.shape
+    if (
+        not torch.compiler.is_compiling()
+        and k.dim() == 4
+        and k.dtype is q.dtype
+        and v.dtype is q.dtype
+        and k.shape[0] == b
+        and v.shape == k.shape
+        and k.shape[3] == d
+        and 1 <= d <= MAX_HEAD_DIM
+        and hq % k.shape[1] == 0
+        and k.shape[2] >= tq
+        and k.device == q.device
+        and v.device == q.device
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and _dispatch.resolve_backend(q.device, has_kernel=q.dtype in _KERNEL_DTYPES) == "triton"
+    ):
+        from rlkernel.kernels import attention as kern
+
+        return kern.attention_fwd(q, k, v, scale=scale, key_start=key_start, heads_first=True)[0]
+    return attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, key_start=key_start
+    )

@@ -34,11 +34,12 @@ Caveats:
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 
-from rlkernel.invariant.attention import attention
+from rlkernel.invariant.attention import attention, attention_heads_first
 
 ATTN_IMPLEMENTATION = "rlkernel_invariant"
 
@@ -133,16 +134,15 @@ def hf_attention_forward(
         raise ValueError("rlkernel attention is causal only (module.is_causal is False)")
     b, _, tq, d = query.shape
     tk = key.shape[2]
-    q = query.transpose(1, 2)  # [B, Tq, Hq, D] views: the kernel reads strides, no copy
-    k = key.transpose(1, 2)
-    v = value.transpose(1, 2)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)  # as attention()'s default
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and b == 1:
-        out = attention(q[0], k[0], v[0], scale=scaling, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        q, k, v = (t.transpose(1, 2)[0] for t in (query, key, value))  # [T, H, D] views
+        out = attention(q, k, v, scale=scale, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         return out.unsqueeze(0), None
     if attention_mask is None:
-        return attention(q, k, v, scale=scaling), None
+        return attention_heads_first(query, key, value, scale=scale, key_start=None), None
 
     mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (tq, tk) or mask.shape[0] not in (1, b):
@@ -154,13 +154,14 @@ def hf_attention_forward(
         mask = mask.expand(b, *mask.shape[1:])
     kind, arg = _kernel_arguments(mask, tq, tk)
     if kind == "key_start":
-        return attention(q, k, v, scale=scaling, key_start=arg), None
+        return attention_heads_first(query, key, value, scale=scale, key_start=arg), None
     cu = arg
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, T, H, D] views
     flat = attention(
         q.reshape(b * tq, -1, d),
         k.reshape(b * tk, -1, d),
         v.reshape(b * tk, -1, d),
-        scale=scaling,
+        scale=scale,
         cu_seqlens_q=cu,
         cu_seqlens_k=cu,
     )

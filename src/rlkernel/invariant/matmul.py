@@ -124,8 +124,9 @@ class _LinearFunction(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------- public
 def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    device_type = tensors[0].device.type
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+    first = tensors[0]
+    device_type = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
+    if device_type is not None and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         return tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
     return tensors
@@ -149,16 +150,46 @@ def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str
 
 
 def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype in KERNEL_DTYPES)
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not wants_grad and backend == "triton" and not torch.compiler.is_compiling():
+        # No gradient wanted (a rollout / decode step): the kernel launcher directly, no views.
+        from rlkernel.kernels import matmul as kernels
+
+        return kernels.linear_forward(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype in KERNEL_DTYPES)
-    if torch.is_grad_enabled() and (
-        x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
+    if wants_grad:
         out = _LinearFunction.apply(x2, weight, bias, backend)
-    else:  # no gradient wanted: the same forward without the autograd Function's host overhead
+    else:
         out = _linear_fwd(x2, weight, bias, backend)
     return out.reshape(*lead, weight.shape[0])
+
+
+def _accepted(x: object, weight: object, bias: object) -> bool:
+    """True when every check of :func:`linear` passes (a few attribute reads; the common case)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and x.dtype in check.FLOAT_DTYPES
+        and weight.dtype is x.dtype
+        and weight.dim() == 2
+        and x.dim() >= 1
+        and weight.shape[1] == x.shape[-1]
+        and x.device == weight.device
+        and (
+            bias is None
+            or (
+                isinstance(bias, torch.Tensor)
+                and bias.dtype is x.dtype
+                and bias.dim() == 1
+                and bias.shape[0] == weight.shape[0]
+                and bias.device == x.device
+            )
+        )
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,11 +211,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         TypeError: non-float inputs, mismatched dtypes.
         ValueError: weight not 2-D, ``weight.shape[1] != x.shape[-1]``, bias not ``[N]``, devices differ.
     """
-    _check_linear(x, weight, bias, ("x", "weight"))
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {check.describe(weight)}"
-        )
+    if not _accepted(x, weight, bias):  # the full checks (they raise) only off the common path
+        _check_linear(x, weight, bias, ("x", "weight"))
+        if weight.shape[1] != x.shape[-1]:
+            raise ValueError(
+                f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {check.describe(weight)}"
+            )
     x, weight, bias = _autocast(x, weight, bias)
     return _linear_2d(x, weight, bias)
 

@@ -19,6 +19,8 @@ Caveats:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlkernel import _dispatch
@@ -93,20 +95,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         TypeError: non-float inputs, eps not a number.
         ValueError: weight not ``[H]``, devices differ, eps <= 0, H == 0.
     """
-    check.float_tensor("x", x, min_dim=1)
-    check.float_tensor("weight", weight)
-    check.same_shape("weight", weight, "x.shape[-1:]", x.shape[-1:])
-    check.same_device("weight", weight, "x", x.device)
-    eps = check.positive_float("eps", eps)
-    if x.shape[-1] < 1:
-        raise ValueError(f"x must have a hidden dimension >= 1, got {check.describe(x)}")
+    if not _accepted(x, weight, eps):  # the full checks (they raise) only off the common path
+        check.float_tensor("x", x, min_dim=1)
+        check.float_tensor("weight", weight)
+        check.same_shape("weight", weight, "x.shape[-1:]", x.shape[-1:])
+        check.same_device("weight", weight, "x", x.device)
+        eps = check.positive_float("eps", eps)
+        if x.shape[-1] < 1:
+            raise ValueError(f"x must have a hidden dimension >= 1, got {check.describe(x)}")
     has_kernel = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
     backend = _dispatch.resolve_backend(x.device, has_kernel=has_kernel)
     if backend != "triton":
         return ref.rms_norm(x, weight, eps)
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if not wants_grad and x.is_contiguous() and weight.is_contiguous() and not torch.compiler.is_compiling():
+        # No gradient wanted (a rollout / decode step): the kernel on x as it is, no views.
+        from rlkernel.kernels import rmsnorm as kernels
+
+        return kernels.rms_norm_forward(x, weight, float(eps))
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if wants_grad:
         out = _RMSNormFunction.apply(x2, weight.contiguous(), eps)
-    else:  # no gradient wanted: the same forward op without the autograd Function's host overhead
+    else:
         out = _call(_fwd_op, x2, weight.contiguous(), eps)[0]
     return out.reshape(x.shape)
+
+
+def _accepted(x: object, weight: object, eps: object) -> bool:
+    """True when every check of :func:`rms_norm` passes (a few attribute reads; the common case)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and type(eps) is float
+        and 0.0 < eps < math.inf
+        and x.dtype in check.FLOAT_DTYPES
+        and weight.dtype in check.FLOAT_DTYPES
+        and weight.dim() == 1
+        and x.dim() >= 1
+        and weight.shape[0] == x.shape[-1] >= 1
+        and x.device == weight.device
+    )

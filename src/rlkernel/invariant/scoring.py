@@ -286,25 +286,21 @@ def _timed_ms(fn: Callable[[], Any], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-@torch.no_grad()
-def time_prefill(model, prompts, completions, batch_size: int, *, reps: int, warmup: int = 2) -> float:
-    """Median ms of one right-padded prefill forward over the first ``batch_size`` sequences."""
+def _prefill_timer(model, prompts, completions, batch_size: int) -> Callable[[], list[float]]:
+    """A callable: one right-padded prefill forward over the first ``batch_size`` sequences, timed."""
     device = next(model.parameters()).device
     n = min(batch_size, len(prompts))
     ids, mask = _right_pad([torch.cat([prompts[i], completions[i]]) for i in range(n)], device)
 
-    def call():
-        return model(input_ids=ids, attention_mask=mask, use_cache=False)
+    def run() -> list[float]:
+        return [_timed_ms(lambda: model(input_ids=ids, attention_mask=mask, use_cache=False), device)]
 
-    for _ in range(warmup):
-        call()
-    return statistics.median(_timed_ms(call, device) for _ in range(reps))
+    return run
 
 
-@torch.no_grad()
-def time_decode_step(model, prompts, completions, batch_size: int, *, steps: int, warmup: int = 1) -> float:
-    """Median ms of one decode step (``batch_size`` rows, KV cache primed with the left-padded
-    prompts, then ``steps`` steps feeding the completion tokens)."""
+def _decode_timer(model, prompts, completions, batch_size: int, *, steps: int) -> Callable[[], list[float]]:
+    """A callable: prime a KV cache with the first ``batch_size`` prompts (left-padded), then feed
+    ``steps`` completion tokens one step at a time; returns each step's time."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -312,18 +308,19 @@ def time_decode_step(model, prompts, completions, batch_size: int, *, steps: int
     ids, mask = _left_pad([prompts[i] for i in range(n)], device)
     tokens = completions[:n].to(device)
     steps = min(steps, tokens.shape[1])
-    times: list[float] = []
-    for rep in range(warmup + 1):
+
+    def run() -> list[float]:
         cache = DynamicCache(config=model.config)
         am = mask.clone()
         pos = (am.cumsum(-1) - 1).clamp(min=0)
         model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
+        times = []
         for t in range(steps):
             am = torch.cat([am, am.new_ones(n, 1)], dim=1)
             step_pos = am.sum(-1, keepdim=True) - 1
             tok = tokens[:, t : t + 1]
 
-            def call(tok=tok, am=am, step_pos=step_pos, cache=cache):
+            def call(tok=tok, am=am, step_pos=step_pos):
                 return model(
                     input_ids=tok,
                     attention_mask=am,
@@ -332,7 +329,63 @@ def time_decode_step(model, prompts, completions, batch_size: int, *, steps: int
                     use_cache=True,
                 )
 
-            ms = _timed_ms(call, device)
-            if rep == warmup:
-                times.append(ms)
-    return statistics.median(times)
+            times.append(_timed_ms(call, device))
+        return times
+
+    return run
+
+
+@torch.no_grad()
+def time_prefill(model, prompts, completions, batch_size: int, *, reps: int, warmup: int = 2) -> float:
+    """Median ms of one right-padded prefill forward over the first ``batch_size`` sequences."""
+    run = _prefill_timer(model, prompts, completions, batch_size)
+    for _ in range(warmup):
+        run()
+    return statistics.median(t for _ in range(reps) for t in run())
+
+
+@torch.no_grad()
+def time_decode_step(model, prompts, completions, batch_size: int, *, steps: int, warmup: int = 1) -> float:
+    """Median ms of one decode step (``batch_size`` rows, KV cache primed with the left-padded
+    prompts, then ``steps`` steps feeding the completion tokens)."""
+    run = _decode_timer(model, prompts, completions, batch_size, steps=steps)
+    for _ in range(warmup):
+        run()
+    return statistics.median(run())
+
+
+@torch.no_grad()
+def time_patched_vs_unpatched(
+    model, prompts, completions, *, prefill_batch: int, decode_batch: int, reps: int, steps: int
+) -> dict[str, float]:
+    """Prefill and decode-step times of ``model`` unpatched and patched, interleaved.
+
+    A host-bound step (HF eager decode) is sensitive to drift of the host CPU (clock, other load)
+    over seconds, so the two variants are timed in alternating rounds (unpatched then patched, then
+    the reverse order), each round one prefill forward and one decode run of ``steps`` steps, after
+    a warm-up round of each. The model is patched and unpatched in place (class swaps, no copies)
+    and left unpatched. Returns the medians: ``{variant}_prefill_ms``, ``{variant}_decode_step_ms``.
+    """
+    from rlkernel.invariant.patch import patch_hf_model, unpatch_hf_model
+
+    prefill = _prefill_timer(model, prompts, completions, prefill_batch)
+    decode = _decode_timer(model, prompts, completions, decode_batch, steps=steps)
+    samples: dict[str, list[float]] = {}
+
+    def round_(variant: str, keep: bool) -> None:
+        (patch_hf_model if variant == "patched" else unpatch_hf_model)(model)
+        for what, run in (("prefill_ms", prefill), ("decode_step_ms", decode)):
+            times = run()
+            if keep:
+                samples.setdefault(f"{variant}_{what}", []).extend(times)
+
+    order = ["unpatched", "patched"]
+    try:
+        for variant in order:
+            round_(variant, keep=False)
+        for r in range(reps):
+            for variant in order if r % 2 == 0 else order[::-1]:
+                round_(variant, keep=True)
+    finally:
+        unpatch_hf_model(model)
+    return {key: statistics.median(v) for key, v in samples.items()}

@@ -51,7 +51,6 @@ Caveats:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -60,6 +59,12 @@ import triton
 import triton.language as tl
 
 from rlkernel._dispatch import interpreter_enabled
+from rlkernel.kernels._launch import FastLauncher
+from rlkernel.kernels._launch import device_guard as _device_guard
+
+# Whether the kernels below run in the CPU interpreter: fixed when they are decorated (Triton reads
+# TRITON_INTERPRET then), so read once here rather than from the environment on every launch.
+_INTERPRET = interpreter_enabled()
 
 LOG2E = 1.4426950408889634
 
@@ -90,7 +95,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype) -> FwdConfig:
     """The one forward configuration for (head_dim, dtype). BLOCK_N = 64 matches the reference's
     key blocks. Chosen for the H100 (D ≤ 128, 16-bit: BLOCK_M = 64 at 4 warps, measured fastest and
     bitwise equal to 128 at 8 warps; fp16 has no decode tiles, so any fixed tile is invariant)."""
-    return _fwd_config(_block_d(head_dim), dtype, interpreter_enabled())
+    return _fwd_config(_block_d(head_dim), dtype, _INTERPRET)
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,10 +131,6 @@ def launch_config(head_dim: int, dtype: torch.dtype, rows_per_seq: int) -> FwdCo
     if tile is not None and rows_per_seq <= tile[0]:
         return FwdConfig(tile[0], cfg.block_n, tile[1], cfg.num_stages)
     return cfg
-
-
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -370,11 +371,14 @@ def _upcast_dots(dtype: torch.dtype) -> bool:
     # TRITON_INTERPRET=1 (its numpy emulation has no bf16 matmul), so under the interpreter bf16
     # tiles are upcast to fp32 right after loading (P and dS are still rounded to bf16 first).
     # Compiled kernels never take this branch.
-    return dtype == torch.bfloat16 and interpreter_enabled()
+    return dtype == torch.bfloat16 and _INTERPRET
 
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
+
+
+_launch_fwd = FastLauncher(_attn_fwd_kernel)  # one launch per layer per decode step
 
 
 def attention_fwd(
@@ -388,16 +392,26 @@ def attention_fwd(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     config: FwdConfig | None = None,
+    heads_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward. Inputs as ``rlkernel.invariant.attention`` (validated there). Returns ``out``
     (contiguous, shaped like q, q's dtype) and ``lse2`` (fp32 ``[Hq, total query rows]``, base 2,
-    +inf for rows that see no key). ``config`` overrides ``fwd_config`` for tests and tuning only."""
+    +inf for rows that see no key). ``config`` overrides ``fwd_config`` for tests and tuning only.
+    ``heads_first``: padded q, k, v come as ``[B, H, T, D]`` (HF's layout, read through their
+    strides: no transposed views); ``out`` is ``[B, Tq, Hq, D]`` either way."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    packed, n_seq, hq, hkv, d, seqlen_q, seqlen_k, total_q = _common(
-        q, k, key_start, cu_seqlens_q, max_seqlen_q
-    )
+    if heads_first:
+        (n_seq, hq, seqlen_q, d), (hkv, seqlen_k) = q.shape, k.shape[1:3]
+        packed, total_q = False, n_seq * seqlen_q
+        out = torch.empty((n_seq, seqlen_q, hq, d), dtype=q.dtype, device=q.device)
+        strides = [_strides4(out, False)] + [(st[0], st[2], st[1]) for st in (t.stride() for t in (q, k, v))]
+    else:
+        packed, n_seq, hq, hkv, d, seqlen_q, seqlen_k, total_q = _common(
+            q, k, key_start, cu_seqlens_q, max_seqlen_q
+        )
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        strides = [_strides4(t, packed) for t in (out, q, k, v)]
     group = hq // hkv
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     if n_seq == 0 or seqlen_q == 0 or total_q == 0:
         return out, lse
@@ -410,35 +424,82 @@ def attention_fwd(
     # softmax rounds on its own, as in the reference, whatever the compiler would contract (and it
     # is the configuration verified on the H100).
     with _device_guard(q):
-        _attn_fwd_kernel[(row_tiles, n_seq * hkv)](
-            out,
-            *_strides4(out, packed),
-            lse,
-            q,
-            *_strides4(q, packed),
-            k,
-            *_strides4(k, packed),
-            v,
-            *_strides4(v, packed),
-            key_start if key_start is not None else dummy,
-            cu_seqlens_q if packed else dummy,
-            cu_seqlens_k if packed else dummy,
-            seqlen_q,
-            seqlen_k,
-            hkv,
-            group,
-            d,
-            total_q,
-            scale * LOG2E,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_D=_block_d(d),
-            HAS_KEY_START=key_start is not None,
-            IS_VARLEN=packed,
-            INPUT_PRECISION=_precision(q.dtype),
-            UPCAST=_upcast_dots(q.dtype),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            enable_fp_fusion=False,
+        _launch_fwd(
+            (row_tiles, n_seq * hkv),
+            (
+                out,
+                *strides[0],
+                lse,
+                q,
+                *strides[1],
+                k,
+                *strides[2],
+                v,
+                *strides[3],
+                key_start if key_start is not None else dummy,
+                cu_seqlens_q if packed else dummy,
+                cu_seqlens_k if packed else dummy,
+                seqlen_q,
+                seqlen_k,
+                hkv,
+                group,
+                d,
+                total_q,
+                scale * LOG2E,
+            ),  # fmt: skip
+            {
+                "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.block_n,
+                "BLOCK_D": _block_d(d),
+                "HAS_KEY_START": key_start is not None,
+                "IS_VARLEN": packed,
+                "INPUT_PRECISION": _precision(q.dtype),
+                "UPCAST": _upcast_dots(q.dtype),
+            },
+            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False},
+        )
+    return out, lse
+    cfg = config or launch_config(d, q.dtype, seqlen_q * group)
+    if n_seq * hkv > 65535:
+        raise ValueError(f"batch × kv heads = {n_seq * hkv} exceeds the 65,535 programs of grid axis 1")
+    row_tiles = _cdiv(seqlen_q * group, cfg.block_m)
+    dummy = lse
+    # enable_fp_fusion=False: no mul+add -> fma contraction, so every product and sum of the online
+    # softmax rounds on its own, as in the reference, whatever the compiler would contract (and it
+    # is the configuration verified on the H100).
+    with _device_guard(q):
+        _launch_fwd(
+            (row_tiles, n_seq * hkv),
+            (
+                out,
+                *_strides4(out, packed),
+                lse,
+                q,
+                *_strides4(q, packed),
+                k,
+                *_strides4(k, packed),
+                v,
+                *_strides4(v, packed),
+                key_start if key_start is not None else dummy,
+                cu_seqlens_q if packed else dummy,
+                cu_seqlens_k if packed else dummy,
+                seqlen_q,
+                seqlen_k,
+                hkv,
+                group,
+                d,
+                total_q,
+                scale * LOG2E,
+            ),  # fmt: skip
+            {
+                "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.block_n,
+                "BLOCK_D": _block_d(d),
+                "HAS_KEY_START": key_start is not None,
+                "IS_VARLEN": packed,
+                "INPUT_PRECISION": _precision(q.dtype),
+                "UPCAST": _upcast_dots(q.dtype),
+            },
+            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False},
         )
     return out, lse

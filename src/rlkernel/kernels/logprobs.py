@@ -50,13 +50,13 @@ Caveats:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
 
 # Launch configuration, measured on an H100 80GB (torch 2.11, triton 3.6, 2026-11-21, sweep of
@@ -151,11 +151,6 @@ def can_write_in_place(x: torch.Tensor) -> bool:
             return False
         reach = stride * size
     return True
-
-
-def _device_guard(t: torch.Tensor):
-    # Triton launches on the current CUDA device; make it the tensors' device (multi-GPU hosts).
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _flat_ids(token_ids: torch.Tensor) -> torch.Tensor:

@@ -6,27 +6,29 @@ output dtype (bias added before the rounding). ``a [M, K]`` and ``b [K, N]`` may
 
 Batch invariance (why a row's bits do not depend on M). A GEMM's result for one element is fixed
 by the sequence of operations that reduces its K dimension. Here that sequence is: tiles of
-``BLOCK_K = 64`` values (fp32: 32) in increasing k, each folded into the fp32 accumulator by one
-``tl.dot`` (on Hopper a chain of four ``wgmma`` k16 steps, or ``mma.sync`` k16 steps for 16-row
-tiles; for fp32 inputs an IEEE FMA loop, never TF32). There is no split-K, no stream-K, no
-autotuning. Rows beyond M read row 0 (pointer kernel) or zeros (TMA) and are never stored; rows
-never interact inside a dot. So for one launch configuration the sequence is the same for M = 1
-and M = 100,000.
+``BLOCK_K`` values in increasing k, each folded into the fp32 accumulator by one ``tl.dot`` — on
+Hopper a chain of k16 tensor-core steps (``wgmma`` for >= 64-row tiles, ``mma.sync`` for 16-row
+ones) in increasing k, so BLOCK_K = 64, 128 or 256 run the same chain; for fp32 inputs an IEEE FMA
+loop, never TF32. There is no split-K, no stream-K, no autotuning. Rows beyond M read row 0
+(pointer kernel) or zeros (TMA) and are never stored; rows never interact inside a dot. So for one
+launch configuration the sequence is the same for M = 1 and M = 100,000.
 
 The default ``MODE = "tuned"`` picks the configuration per call from ``TUNED`` by (dtype, M's
 bucket, N's weight class, grid size): the fastest candidate per shape measured on an H100
 (``docs/api/invariant_linear.md``). It stays invariant across M because every configuration in a
-dtype's table is in ONE measured class of mutually bitwise-equal configurations: same
-``BLOCK_K = 64``, same k16 steps in the same order, sequential K loop, no split-K; tile shape,
-warps, stages, TMA or pointer loads, persistent or not change no bit (H100, triton 3.6,
-2026-11-21, K = N = 4096: bf16 13 configs, fp16 7, fp32 2, each one class; at a K-tail shape 7
-of the bf16 ones were compared, also one class). That equality is a property of the tensor-core
-datapath and the compiler, not of this code, so ``scripts/gpu_check_invariant_ops.py``
-re-verifies on every run that ``table_configs(dtype)`` is one class (and that the public
-``linear`` is invariant from M = 1 to 100,000): a GPU or Triton version that breaks the class
-shows up as a FAIL there. Until a GPU model has been checked, the tuned table is not used on it
-(``TUNED_CAPABILITIES``): ``MODE = "single"`` (one configuration per dtype for every M, safe by
-construction) runs instead, and stays available as the conservative one-line switch.
+dtype's table is in ONE measured class of mutually bitwise-equal configurations: the same k16 steps
+in the same order, sequential K loop, no split-K; tile shape, BLOCK_K (64/128/256: a K tail is
+zero-filled up to the tile, and the extra all-zero k16 steps add exact zeros), warps, stages,
+program order (GROUP_M), TMA or pointer loads, persistent or not change no bit (H100, triton 3.6,
+2026-11-21, K = N = 4096: bf16 13 configs, fp16 7, fp32 2, each one class; 33 more 16-row bf16
+decode tiles with BLOCK_K 64-256 and GROUP_M = 8, also at K = 4072, N = 1000: the same class). That
+equality is a property of the tensor-core datapath and the compiler, not of this code, so
+``scripts/gpu_check_invariant_ops.py`` re-verifies on every run that ``table_configs(dtype)`` is
+one class (and that the public ``linear`` is invariant from M = 1 to 100,000): a GPU or Triton
+version that breaks the class shows up as a FAIL there. Until a GPU model has been checked, the
+tuned table is not used on it (``TUNED_CAPABILITIES``): ``MODE = "single"`` (one configuration per
+dtype for every M, safe by construction) runs instead, and stays available as the conservative
+one-line switch.
 
 Two kernels with the same per-element arithmetic:
     * ``_matmul_kernel``: pointer loads (``cp.async`` pipelined by ``num_stages``), one program per
@@ -57,7 +59,6 @@ Caveats:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 
@@ -66,6 +67,9 @@ import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
+
+from rlkernel.kernels._launch import FastLauncher
+from rlkernel.kernels._launch import device_guard as _device_guard
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,12 +97,11 @@ class MatmulConfig:
     name: str = ""
 
 
-# Candidates (scripts/gpu_check_invariant_ops.py checks and, with --sweep, times them all). All
-# 16-bit ones but "decode_k128" share BLOCK_K = 64; "decode_k128" (a BLOCK_K = 128 tile is the same
-# chain of k16 instructions on the GPU) and "prefill_tma_s4" (over the H100's shared memory) are
-# measured but kept out of the tables; "mma16_n32"/"mma16_n16" (16-row tiles with more programs
-# for decode GEMMs) were measured in the bf16 class on the H100 (K = 4096; tuned log of 2026-11-21),
-# not yet for fp16 nor at the K-tail shape (the GPU script checks the table's class there).
+# Candidates (scripts/gpu_check_invariant_ops.py checks and, with --sweep, times them all;
+# scripts/gpu_decode_gemm_sweep.py sweeps 16-row decode tiles). "decode_k128" and
+# "prefill_tma_s4" (over the H100's shared memory) are measured but kept out of the tables; the
+# mma16* and dec_* 16-row tiles were measured in the bf16 class on the H100 (the dec_* ones also
+# at a K-tail shape), not yet for fp16 (the GPU script checks every table's class on every run).
 CANDIDATES_16 = {
     c.name: c
     for c in (
@@ -118,6 +121,15 @@ CANDIDATES_16 = {
         MatmulConfig(16, 64, 64, 1, 4, 4, name="mma16"),
         MatmulConfig(16, 32, 64, 1, 2, 6, name="mma16_n32"),
         MatmulConfig(16, 16, 64, 1, 1, 8, name="mma16_n16"),
+        # Decode (M <= 64): 16-row mma.sync tiles with 4-8x more weight bytes per pipeline stage
+        # (BLOCK_K = 128/256: the same k16 steps in the same order) and GROUP_M = 8 (the <= 4 row
+        # tiles of one column tile run together: the weight is read from HBM once). All 33 swept
+        # variants were in the bf16 class on the H100 (gpu_decode_gemm_sweep_h100_2026-11-21.log).
+        MatmulConfig(16, 16, 256, 8, 2, 4, name="dec_n16_k256"),
+        MatmulConfig(16, 32, 256, 8, 2, 4, name="dec_n32_k256"),
+        MatmulConfig(16, 64, 128, 8, 4, 8, name="dec_n64_k128_s8"),
+        MatmulConfig(16, 64, 128, 8, 4, 4, name="dec_n64_k128_s4"),
+        MatmulConfig(16, 64, 64, 8, 4, 12, name="dec_n64_k64_s12"),
     )
 }
 CANDIDATES_32 = {
@@ -157,18 +169,19 @@ def _cells(narrow, wide, vocab) -> dict[str, tuple[MatmulConfig, ...]]:
 
 
 # {dtype: [(max_m, {weight class: configs}), ...]}, increasing max_m, the last unbounded. From the
-# H100 run of 2026-11-21 (time ÷ cuBLAS at Qwen3-8B shapes, M = 1, 8, 64, 8192; see the docs page).
-# bf16: all 13 measured configs are one class; "decode_k128" is left out anyway so that every table
-# config has BLOCK_K = 64 (it won by <= 9%, at k/v M = 64 only).
-# M <= 64 cells from benchmarks/results/gpu_check_invariant_ops_h100_2026-11-21_tuned.log, where
-# mma16_n32/mma16_n16 were measured in the bf16 class: narrow (k/v) mma16_n16 0.029-0.032 ms vs
-# mma16 0.085 (M = 1, 8, 64); wide mma16_n32: q/o 0.047/0.040/0.041 vs 0.102/0.094/0.095,
-# gate/up 0.071/0.064 vs 0.106 (M = 64: 0.115 vs decode_n32 0.108, taken anyway: one wide cell),
-# down 0.068/0.060/0.0675 vs 0.090/0.090/0.069; vocab keeps mma16 (M = 1: 0.483 vs n32 0.514).
+# H100 runs of 2026-11-21 (time ÷ cuBLAS at Qwen3-8B shapes; see the docs page).
+# bf16: all measured configs are one class; "decode_k128" is left out of the prefill cells anyway.
+# M <= 64 cells: scripts/gpu_decode_gemm_sweep.py (L2 flushed, kernel time), fastest in-class
+# config per (M bucket, weight class); at the sweep's cells they run 0.90-1.21x cuBLAS (k/v M = 1:
+# 12.8 vs 10.6 us; wide M = 64: gate/up 57.6 vs 48.5 us), where the former mma16_n16/n32 cells
+# ran 1.0-4.4x (their GROUP_M = 1 read the weight once per row tile at M > 16). The vocab cell at
+# M = 33-64 keeps decode_n32 (64-row wgmma tile: 454 vs 746 us for the best 16-row tile).
 TUNED: dict[torch.dtype, list[tuple[float, dict[str, tuple[MatmulConfig, ...]]]]] = {
     torch.bfloat16: [
-        (16, _cells(["mma16_n16"], ["mma16_n32"], ["mma16"])),
-        (64, _cells(["mma16_n16"], ["mma16_n32"], ["decode_n32"])),
+        (1, _cells(["dec_n32_k256"], ["dec_n64_k128_s8"], ["dec_n64_k128_s8"])),
+        (16, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k128_s8"])),
+        (32, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k64_s12"])),
+        (64, _cells(["dec_n16_k256"], ["dec_n64_k128_s4"], ["decode_n32"])),
         (1024, _cells(["decode", "decode_n16"], ["mid", "decode"], ["mid"])),
         (
             float("inf"),
@@ -319,11 +332,7 @@ def describe_launch(m: int, n: int, k: int, dtype: torch.dtype, mode: str | None
 def _interpret_upcast(a: torch.Tensor) -> bool:
     # The CPU interpreter's tl.dot gives garbage for 16-bit float tiles (triton 3.9, 2026-11-21):
     # there, and only there, the tiles are upcast to fp32 first. Compiled kernels never take it.
-    return a.device.type == "cpu" and a.dtype != torch.float32
-
-
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    return a.is_cpu and a.dtype is not torch.float32
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -471,6 +480,9 @@ def _matmul_tma_kernel(
 
 
 # ------------------------------------------------------------------------------------- launchers
+_launch_pointer = FastLauncher(_matmul_kernel)  # decode steps call it ~8 times per layer
+
+
 def _matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -491,15 +503,19 @@ def _matmul(
     if k == 0:
         out.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=out.dtype))
         return
-    tma = tma_possible(a, b, out)
-    # The table never returns a TMA config that cannot run here; an explicit TMA config on operands
-    # TMA cannot address runs the pointer kernel with the same tiles.
-    cfg = config or config_for(m, n, k, a.dtype, mode_for(a.device), tma=tma)
-    bias_arg = bias.contiguous() if bias is not None else out
+    # The table is asked first as if TMA could run (no operand checks: decode-sized calls never
+    # get a TMA config); only a TMA pick pays for the alignment checks, and if TMA cannot address
+    # these operands the table's pointer choice for the cell runs instead.
+    cfg = config or config_for(m, n, k, a.dtype, mode_for(a.device))
+    tma = cfg.tma and tma_possible(a, b, out)
+    if cfg.tma and not tma and config is None:
+        cfg = config_for(m, n, k, a.dtype, mode_for(a.device), tma=False)
+    if bias is not None:
+        bias = bias.contiguous()
     with _device_guard(a):
-        if cfg.tma and tma:
+        if tma:
             try:
-                _launch_tma(a, b, out, bias, bias_arg, cfg)
+                _launch_tma(a, b, out, bias, cfg)
                 return
             except (CompilationError, OutOfResources):
                 if config is not None:
@@ -509,38 +525,81 @@ def _matmul(
                 _tma_failed.add(cfg.name)
             _matmul(a, b, out, bias=bias)
             return
-        grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
+        # An explicit TMA config on operands TMA cannot address runs the pointer kernel, same tiles.
         (so0, so1), (sa0, sa1), (sb0, sb1) = out.stride(), a.stride(), b.stride()
-        _matmul_kernel[grid](
-            out,
-            so0,
-            so1,
-            a,
-            sa0,
-            sa1,
-            b,
-            sb0,
-            sb1,
-            bias_arg,
-            m,
-            n,
-            k,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            NUM_STAGES=cfg.num_stages,
-            EVEN_K=k % cfg.block_k == 0,
-            HAS_BIAS=bias is not None,
-            INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            HINT_M=sa0 == 1 and m % 16 == 0,
-            HINT_N=sb1 == 1 and n % 16 == 0,
-            INTERPRET_UPCAST=_interpret_upcast(a),
-            num_warps=cfg.num_warps,
-        )
+        _pointer_gemm(out, so0, so1, a, sa0, sa1, b, sb0, sb1, bias, m, n, k, cfg)
 
 
-def _launch_tma(a, b, out, bias, bias_arg, cfg: MatmulConfig) -> None:
+def _pointer_gemm(out, so0, so1, a, sa0, sa1, b, sb0, sb1, bias, m, n, k, cfg: MatmulConfig) -> None:
+    """Launch ``_matmul_kernel`` for given strides (the caller holds the device guard)."""
+    _launch_pointer(
+        (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),),
+        (out, so0, so1, a, sa0, sa1, b, sb0, sb1, bias if bias is not None else out, m, n, k),
+        {
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "BLOCK_K": cfg.block_k,
+            "GROUP_M": cfg.group_m,
+            "NUM_STAGES": cfg.num_stages,
+            "EVEN_K": k % cfg.block_k == 0,
+            "HAS_BIAS": bias is not None,
+            "INPUT_PRECISION": "ieee" if a.dtype == torch.float32 else "tf32",
+            "HINT_M": sa0 == 1 and m % 16 == 0,
+            "HINT_N": sb1 == 1 and n % 16 == 0,
+            "INTERPRET_UPCAST": _interpret_upcast(a),
+        },
+        {"num_warps": cfg.num_warps},
+    )
+
+
+# config_for results per (shape, dtype, device, table state): a decode step asks for the same few
+# shapes ~30 times. The table state (MODE, the class thresholds, failed TMA configs) is part of the
+# key, so a switch of any of them is seen at once; an in-place edit of TUNED is not.
+_config_memo: dict[tuple, MatmulConfig] = {}
+
+
+def _config_cached(m: int, n: int, k: int, x: torch.Tensor) -> MatmulConfig:
+    key = (m, n, k, x.dtype, x.get_device(), MODE, NARROW_N, VOCAB_N, MIN_TILES, MIN_TILES_TMA,
+           len(_tma_failed), _tma_api)  # fmt: skip
+    cfg = _config_memo.get(key)
+    if cfg is None:
+        if len(_config_memo) >= 4096:  # training with many distinct M: start over
+            _config_memo.clear()
+        cfg = _config_memo[key] = config_for(m, n, k, x.dtype, mode_for(x.device))
+    return cfg
+
+
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K].T (+ bias [N])`` as a new ``[..., N]`` tensor in x's dtype: the
+    forward of ``rlkernel.invariant.linear`` with the fewest host operations for decode-sized calls
+    (no reshape or transpose views: the kernel reads ``weight``'s strides as the K-major ``b``, and
+    a contiguous ``x`` is read as ``[M, K]`` rows). Same configuration table, same bits as
+    ``matmul(x.reshape(-1, K), weight.t(), bias=bias)``. Inputs are validated by the caller."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if x.dim() == 2:
+        (sa0, sa1), m = x.stride(), x.shape[0]
+    elif x.is_contiguous():
+        sa0, sa1, m = k, 1, x.numel() // k if k else 0
+    else:
+        sa0 = None
+    if sa0 is None or m == 0 or n == 0 or k == 0:
+        _matmul(x.reshape(-1, k), weight.t(), out.view(-1, n), bias=bias)
+        return out
+    cfg = _config_cached(m, n, k, x)
+    if cfg.tma:  # prefill-sized: the general launcher (TMA descriptors, alignment checks)
+        _matmul(x.reshape(m, k), weight.t(), out.view(m, n), bias=bias)
+        return out
+    if bias is not None:
+        bias = bias.contiguous()
+    sw0, sw1 = weight.stride()
+    with _device_guard(x):
+        _pointer_gemm(out, n, 1, x, sa0, sa1, weight, sw1, sw0, bias, m, n, k, cfg)
+    return out
+
+
+def _launch_tma(a, b, out, bias, cfg: MatmulConfig) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = a.shape
@@ -559,7 +618,7 @@ def _launch_tma(a, b, out, bias, bias_arg, cfg: MatmulConfig) -> None:
         c_desc,
         a_desc,
         b_desc,
-        bias_arg,
+        bias if bias is not None else out,
         m,
         n,
         k,

@@ -30,13 +30,15 @@ Caveats:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from rlkernel.kernels._launch import FastLauncher
+from rlkernel.kernels._launch import device_guard as _device_guard
 
 MAX_HIDDEN = 65536
 _LOG2_MAX_BLOCK = tl.constexpr(16)
@@ -78,10 +80,6 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count[idx]
 
 
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
 # --------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _pairwise_sum_rows(x):
@@ -111,8 +109,10 @@ def _rms_norm_fwd_kernel(
     # meta
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
 ):
-    """``ROWS`` contiguous rows per program; out = w·cast(x·r), rstd = r."""
+    """``ROWS`` contiguous rows per program; out = w·cast(x·r), rstd = r (if ``STORE_RSTD``: the
+    backward needs it; a forward without gradient skips the store and the allocation)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     mask_c = cols < n_cols
@@ -126,7 +126,8 @@ def _rms_norm_fwd_kernel(
     x_hat = (x * r[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (w[None, :] * x_hat).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, r, mask=rows < n_rows)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, r, mask=rows < n_rows)
 
 
 @triton.jit
@@ -179,6 +180,9 @@ def _rms_norm_bwd_kernel(
 
 
 # ------------------------------------------------------------------------------------- launchers
+_launch_fwd = FastLauncher(_rms_norm_fwd_kernel)  # a decode step calls it 4 times per layer
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     assert x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous"
     assert weight.shape == (x.shape[1],) and weight.is_contiguous()
@@ -190,26 +194,23 @@ def _rms_norm_fwd(
 ) -> None:
     """Out-variant forward: fills contiguous ``out [M, H]`` and fp32 ``rstd [M]``."""
     _check(x, weight)
-    n_rows, n_cols = x.shape
+    _launch_rows(x, weight, out, rstd, eps, x.shape[0], x.shape[1])
+
+
+def _launch_rows(x, weight, out, rstd, eps: float, n_rows: int, n_cols: int) -> None:
+    """The forward launch over ``n_rows`` contiguous rows of ``n_cols`` (x, out of any rank);
+    ``rstd`` None: not stored."""
     if n_rows == 0:
         return
     cfg = config_for(n_cols)
     with _device_guard(x):
-        _rms_norm_fwd_kernel[(_cdiv(n_rows, cfg.rows),)](
-            out,
-            rstd,
-            x,
-            weight,
-            n_rows,
-            n_cols,
-            float(eps),
-            float(n_cols),
-            BLOCK_H=cfg.block_h,
-            ROWS=cfg.rows,
-            num_warps=cfg.num_warps,
+        _launch_fwd(
+            (_cdiv(n_rows, cfg.rows),),
+            (out, rstd if rstd is not None else out, x, weight, n_rows, n_cols, float(eps), float(n_cols)),
+            {"BLOCK_H": cfg.block_h, "ROWS": cfg.rows, "STORE_RSTD": rstd is not None},
             # No mul+add -> fma contraction: x*x is rounded before it is summed, as in the reference
             # (the compiler fuses by default, which would change the bits, not the invariance).
-            enable_fp_fusion=False,
+            {"num_warps": cfg.num_warps, "enable_fp_fusion": False},
         )
 
 
@@ -219,6 +220,17 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     rstd = torch.empty(x.shape[:1], dtype=torch.float32, device=x.device)
     _rms_norm_fwd(x, weight, out, rstd, eps)
     return out, rstd
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``out`` only, shaped like a contiguous ``x [..., H]`` (any rank): the no-gradient forward of
+    ``rlkernel.invariant.rms_norm`` with no reshape views (decode calls it ~4 times per layer).
+    Inputs are validated by the caller (contiguous x and weight, H <= MAX_HIDDEN)."""
+    n_cols = x.shape[-1]
+    out_dtype = x.dtype if weight.dtype is x.dtype else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _launch_rows(x, weight, out, None, eps, x.numel() // n_cols, n_cols)
+    return out
 
 
 def rms_norm_bwd(

@@ -47,12 +47,11 @@ Caveats:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import pairwise_sum
 from rlkernel.kernels.logprobs import row_logprob_stats
 
@@ -435,10 +434,6 @@ def _scale_kernel(g_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     m = offs < tl.where(s != 1.0, n, 0)  # scale 1: every lane masked, nothing moves
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(g_ptr + offs, (g * s).to(g_ptr.dtype.element_ty), mask=m)
-
-
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def n_partials(n_tokens: int) -> int:

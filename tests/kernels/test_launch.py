@@ -1,0 +1,132 @@
+"""The fast launcher (``rlkernel.kernels._launch``): same kernels, same bits, less host time.
+
+CPU: the specialization classes, and that the interpreter (no compiled kernel) takes Triton's own
+launch. GPU: every kernel that uses it gives bitwise the outputs of Triton's own launch, the second
+call with one key is a fast launch, and operands that Triton specializes differently (a pointer off
+16-byte alignment, a size of 1) get their own compiled kernel instead of a wrong one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlkernel.kernels import _launch
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_arg_class_separates_what_triton_specializes_on():
+    cls = _launch._arg_class
+    # ints: == 1, multiple of 16, int32 / int64 / uint64 range (small ones: by value, finer)
+    assert cls(1) != cls(3)
+    assert cls(16) != cls(17) != cls(1)
+    assert cls(32) == cls(48) != cls(33)
+    assert cls(33) == cls(1000001)
+    assert cls(2**31 - 1) != cls(2**31)
+    assert cls(2**63) != cls(2**62)
+    assert len({cls(v) for v in (1, 16, 17, 32, 2**31 + 1, 2**31, 2**63 + 1, 2**64)}) == 8
+    # tensors: dtype and the data pointer's address mod 16 (alignment, and finer)
+    t = torch.zeros(64, dtype=torch.float32)
+    assert cls(t) == cls(t[4:])  # 16 bytes further: still aligned
+    assert cls(t) != cls(t[1:])  # 4 bytes further: not
+    assert cls(t) != cls(t.to(torch.float16))
+    # floats: by type only; anything else has no class (Triton's own launch runs)
+    assert cls(0.5) == cls(2.0)
+    for other in ("tf32", None, True):
+        with pytest.raises(TypeError, match="no fast-launch class"):
+            cls(other)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors run kernels only in the interpreter")
+def test_interpreter_takes_tritons_own_launch():
+    """On CPU tensors nothing is cached: the kernel runs as before (here: a tiny matmul)."""
+    from rlkernel.kernels import matmul as km
+
+    a = torch.randn(5, 32)
+    b = torch.randn(32, 16)
+    hits, cached = km._launch_pointer.hits, len(km._launch_pointer._compiled)
+    out = km.matmul(a, b)
+    torch.testing.assert_close(out, a @ b, rtol=1e-5, atol=1e-5)
+    assert (km._launch_pointer.hits, len(km._launch_pointer._compiled)) == (hits, cached)
+
+
+def test_hooks_installed_reads_the_hook_chains(monkeypatch):
+    from triton import knobs
+
+    assert not _launch._hooks_installed()
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # a HookChain (Triton 3.5+)
+        hook = lambda metadata: None  # noqa: E731
+        chain.add(hook)
+        try:
+            assert _launch._hooks_installed()
+        finally:
+            chain.remove(hook)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+        assert _launch._hooks_installed()
+
+
+def _both(fn):
+    """(fast, Triton's own) outputs of ``fn()``; the fast one after a warm-up call made the key."""
+    fn()
+    fast = fn()
+    old = _launch.enabled
+    _launch.enabled = False
+    try:
+        slow = fn()
+    finally:
+        _launch.enabled = old
+    return fast, slow
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 17, 64, 300])
+def test_matmul_fast_launch_is_bitwise_tritons(m):
+    from rlkernel.kernels import matmul as km
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    a = torch.randn(m, 512, device="cuda", generator=g).bfloat16()
+    w = torch.randn(384, 512, device="cuda", generator=g).bfloat16()
+    hits = km._launch_pointer.hits
+    fast, slow = _both(lambda: km.matmul(a, w.t()))
+    assert km._launch_pointer.hits > hits
+    assert torch.equal(fast, slow)
+
+
+@needs_cuda
+def test_misaligned_operand_gets_its_own_kernel():
+    """A view 2 bytes off alignment must not reuse the aligned operand's compiled kernel."""
+    from rlkernel.kernels import matmul as km
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(256, 129, device="cuda", generator=g).bfloat16()
+    base = torch.randn(4 * 129 + 1, device="cuda", generator=g).bfloat16()
+    aligned = base[: 4 * 128].view(4, 128)
+    shifted = base[1 : 1 + 4 * 128].view(4, 128)  # 2 bytes off
+    wt = w[:, :128].t()
+    for a in (aligned, shifted, aligned, shifted):
+        fast, slow = _both(lambda a=a: km.matmul(a, wt))
+        assert torch.equal(fast, slow)
+        torch.testing.assert_close(fast.float(), a.float() @ wt.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+def test_rms_norm_and_attention_fast_launch_are_bitwise_tritons():
+    from rlkernel.kernels import attention as ka
+    from rlkernel.kernels import rmsnorm as kr
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(33, 1024, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1024, device="cuda", generator=g).bfloat16()
+    fast, slow = _both(lambda: kr.rms_norm_fwd(x, w, 1e-6))
+    assert all(torch.equal(f, s) for f, s in zip(fast, slow, strict=True))
+
+    q = torch.randn(4, 1, 8, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(4, 77, 2, 128, device="cuda", generator=g).bfloat16()
+    v = torch.randn(4, 77, 2, 128, device="cuda", generator=g).bfloat16()
+    key_start = torch.tensor([0, 3, 10, 76], device="cuda", dtype=torch.int32)
+    fast, slow = _both(lambda: ka.attention_fwd(q, k, v, scale=0.09, key_start=key_start))
+    assert all(torch.equal(f, s) for f, s in zip(fast, slow, strict=True))
+    assert ka._launch_fwd.hits > 0 and kr._launch_fwd.hits > 0
