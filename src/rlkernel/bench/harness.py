@@ -11,7 +11,10 @@ Method (DESIGN.md, "Performance method"):
   ``rounds`` rounds, each calling every implementation ``reps`` times in a rotated order, so that
   clock or thermal drift hits all of them alike. On CUDA each call is bracketed by its own pair of
   CUDA events (GPU time of the call, including launch gaps the call itself causes, e.g. a host
-  sync); on CPU by ``time.perf_counter``. The row reports the median and the 20th/80th percentiles.
+  sync, and, on an idle GPU, the host time until its first kernel starts); on CPU by
+  ``time.perf_counter``. A workload with ``queue_ahead`` queues a GPU sleep before each start
+  event, so only GPU work is timed (calls of a few microseconds, e.g. decode-shaped GEMMs, whose
+  isolated time is mostly launch latency). The row reports the median and the 20th/80th percentiles.
 * **Inputs and L2.** Inputs larger than the L2 cache are reused as they are (they cannot stay
   resident). Only when a workload's inputs would fit in L2 does the harness ask the suite for several
   copies and rotate through them, so no call reads a cache-warm input.
@@ -121,6 +124,10 @@ class Workload:
         impls: the implementations to run, in display order.
         reference: the implementation the others are cross-checked against.
         setup: ``setup(device, impls, copies) -> Prepared``; allocates inputs.
+        queue_ahead: time GPU work only: a GPU sleep is queued before each call's start event, so
+            the host has issued the call before the GPU reaches it (the launch latency and host
+            time the call costs are hidden; for calls too small to time in isolation, e.g. a
+            decode-shaped GEMM). Default False: an isolated call, what an eager caller pays.
     """
 
     name: str
@@ -132,6 +139,7 @@ class Workload:
     impls: tuple[str, ...]
     reference: str | None
     setup: Callable[[torch.device, tuple[str, ...], int], Prepared]
+    queue_ahead: bool = False
 
     @property
     def label(self) -> str:
@@ -169,10 +177,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# ``queue_ahead``: GPU cycles of the sleep queued before each timed call (~100 us at the H100's
+# ~1.8 GHz: longer than any eager call's host time measured there, ~50 us).
+QUEUE_AHEAD_CYCLES = 200_000
+
+
 def time_interleaved(
-    calls: dict[str, Callable[[int], Any]], device: torch.device, *, rounds: int, reps: int, copies: int = 1
+    calls: dict[str, Callable[[int], Any]],
+    device: torch.device,
+    *,
+    rounds: int,
+    reps: int,
+    copies: int = 1,
+    queue_ahead: bool = False,
 ) -> dict[str, list[float]]:
-    """Per-call times in ms, the implementations interleaved round-robin in a rotated order."""
+    """Per-call times in ms, the implementations interleaved round-robin in a rotated order.
+    ``queue_ahead`` (CUDA): see :class:`Workload`."""
     names = list(calls)
     samples: dict[str, list[float]] = {n: [] for n in names}
     i = 0
@@ -186,6 +206,8 @@ def time_interleaved(
                     for _ in range(reps)
                 ]
                 for start, end in events:
+                    if queue_ahead:
+                        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
                     start.record()
                     fn(i % copies)
                     end.record()
@@ -291,12 +313,14 @@ class Measurement:
     note: str = ""
 
 
-def _time_all(timed: dict[str, Call], results: dict[str, Measurement], opts: Options, copies: int) -> None:
+def _time_all(
+    timed: dict[str, Call], results: dict[str, Measurement], opts: Options, copies: int, queue_ahead: bool
+) -> None:
     """Interleaved timing; if that fails (e.g. an OOM from fragmentation between implementations),
     time each implementation alone and say so in its notes, so one failure costs one row."""
     if not timed:
         return
-    kw = {"rounds": opts.rounds, "reps": opts.reps, "copies": copies}
+    kw = {"rounds": opts.rounds, "reps": opts.reps, "copies": copies, "queue_ahead": queue_ahead}
     try:
         samples = time_interleaved(timed, opts.device, **kw)
     except Exception as exc:  # noqa: BLE001
@@ -364,7 +388,7 @@ def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> l
     ref_out = None
     _free(device)
     timed = {i: prepared.calls[i] for i in runnable if results[i].status == "ok"}
-    _time_all(timed, results, opts, copies)
+    _time_all(timed, results, opts, copies, workload.queue_ahead)
     del prepared, timed
     _free(device, collect=True)
     return [results[i] for i in workload.impls]

@@ -4,7 +4,10 @@ Workloads (bf16 on the GPU; ``shape`` and ``tokens`` columns say the size):
 
     gemm            y = x·Wᵀ, x [M, K], W [N, K]: 8192×4096×4096 and Qwen3-8B's layer shapes
                     (q/o_proj 4096×4096, k/v_proj 1024×4096, gate/up_proj 12288×4096, down_proj
-                    4096×12288, lm_head 151936×4096) at M = 8192 (prefill) and M = 1, 8, 64 (decode)
+                    4096×12288, lm_head 151936×4096) at M = 8192 (prefill) and M = 1, 8, 64
+                    (decode); GPU time (``queue_ahead``: the kernels, not the host's launch path)
+    gemm_eager      the decode rows (M <= 64) again as isolated eager calls: GPU time plus the
+                    host time until the kernel starts (what one eager ``linear`` call costs)
     rmsnorm         HF Qwen3RMSNorm over [M, 4096], M = 8192 and 32768, against its bandwidth ceiling
     attn_prefill    causal GQA, 32/8 heads, head_dim 128: B=4 × T=2048 and B=1 × T=8192
     attn_decode     one query per sequence against a KV cache of 2048 / 8192, B = 1, 8, 32, 64
@@ -53,7 +56,10 @@ import torch.nn.functional as F
 from rlkernel.bench.harness import BenchError, CallResult, Options, Prepared, Skip, Suite, Workload, select
 
 IMPLS = ("rlkernel", "torch", "flash_attn")
-KINDS = ("gemm", "rmsnorm", "attn_prefill", "attn_decode", "model_prefill", "model_decode", "model_train")
+KINDS = (
+    "gemm", "gemm_eager", "rmsnorm", "attn_prefill", "attn_decode",
+    "model_prefill", "model_decode", "model_train",
+)  # fmt: skip
 SEED = 1234
 E = 2  # bytes per bf16 element
 
@@ -338,7 +344,10 @@ def _train_call(model, ids, grad):
 # --------------------------------------------------------------------------------------------------
 
 
-def _workload(name, pass_, shape, tokens, setup, impls, *, flops=None, bytes_moved=None, input_bytes=0):
+def _workload(
+    name, pass_, shape, tokens, setup, impls, *, flops=None, bytes_moved=None, input_bytes=0,
+    queue_ahead=False,
+):  # fmt: skip
     return Workload(
         name=name,
         pass_=pass_,
@@ -349,6 +358,7 @@ def _workload(name, pass_, shape, tokens, setup, impls, *, flops=None, bytes_mov
         impls=impls,
         reference="torch" if "torch" in impls else None,
         setup=setup,
+        queue_ahead=queue_ahead,
     )
 
 
@@ -361,12 +371,14 @@ def build(opts: Options) -> list[Workload]:
     sz = sizes_for(opts)
     two = tuple(i for i in ("rlkernel", "torch") if i in impls)
     out: list[Workload] = []
-    if "gemm" in kinds and two:
-        for m in sz.gemm_m:
+    for kind in ("gemm", "gemm_eager"):
+        if kind not in kinds or not two:
+            continue
+        for m in sz.gemm_m if kind == "gemm" else [m for m in sz.gemm_m if m <= 64]:
             for n, k, label in sz.gemm_shapes:
                 out.append(
                     _workload(
-                        "gemm",
+                        kind,
                         "fwd",
                         f"N={n} K={k} {label}",
                         m,
@@ -375,6 +387,7 @@ def build(opts: Options) -> list[Workload]:
                         flops=2 * m * n * k,
                         bytes_moved=(m * k + n * k + m * n) * E,
                         input_bytes=(m * k + n * k) * E,
+                        queue_ahead=kind == "gemm",
                     )
                 )
     if "rmsnorm" in kinds and two:
