@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 
@@ -10,6 +11,9 @@ from rlkernel.bench import SUITES, BenchError, cli, harness
 from rlkernel.bench import linear as bli
 
 SUITE = SUITES["linear"]
+# The engine's Triton kernels run on the CPU only in the interpreter (tests/conftest.py turns it on
+# when there is no GPU); on a GPU machine the CPU smoke run skips that implementation.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,7 @@ def test_smoke_rows_and_columns(smoke):
     } | {("lmhead_dapo_kl_fwd_bwd", i) for i in (*bli.IMPLS, "ceiling")}
     for r in rows:
         assert r["n_tokens"] == "64" and r["hidden"] == "16" and r["vocab"] == "100"
-        if r["impl"] == "liger":
+        if r["impl"] == "liger" or (r["impl"] == "rlkernel_engine" and not INTERPRET):
             assert r["status"].startswith("skipped")
         elif r["impl"] == "ceiling":
             assert r["status"] == "model" and float(r["frac_gemm"]) == pytest.approx(1.0)
@@ -47,11 +51,11 @@ def test_smoke_cross_checks(smoke):
     _, rows = smoke
     checked = 0
     for r in rows:
-        if r["impl"] in ("rlkernel", "rlkernel_engine"):
+        if r["impl"] in ("rlkernel", "rlkernel_engine") and r["status"] == "ok":
             assert float(r["max_abs_diff"]) <= 0.1, r
             assert float(r["grad_rel_diff"]) <= 0.1, r
             checked += 1
-    assert checked == 3
+    assert checked == (3 if INTERPRET else 2)
 
 
 def test_build_matrix_and_flops():

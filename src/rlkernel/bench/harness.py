@@ -12,9 +12,10 @@ Method (DESIGN.md, "Performance method"):
   clock or thermal drift hits all of them alike. On CUDA each call is bracketed by its own pair of
   CUDA events (GPU time of the call, including launch gaps the call itself causes, e.g. a host
   sync, and, on an idle GPU, the host time until its first kernel starts); on CPU by
-  ``time.perf_counter``. A workload with ``queue_ahead`` queues a GPU sleep before each start
-  event, so only GPU work is timed (calls of a few microseconds, e.g. decode-shaped GEMMs, whose
-  isolated time is mostly launch latency). The row reports the median and the 20th/80th percentiles.
+  ``time.perf_counter``. A workload with ``queue_ahead`` queues a 1 GiB write (L2 evicted)
+  before each start event, so only GPU work is timed (calls of a few microseconds, e.g.
+  decode-shaped GEMMs, whose isolated time is mostly launch latency). The row reports the median
+  and the 20th/80th percentiles.
 * **Inputs and L2.** Inputs larger than the L2 cache are reused as they are (they cannot stay
   resident). Only when a workload's inputs would fit in L2 does the harness ask the suite for several
   copies and rotate through them, so no call reads a cache-warm input.
@@ -124,10 +125,11 @@ class Workload:
         impls: the implementations to run, in display order.
         reference: the implementation the others are cross-checked against.
         setup: ``setup(device, impls, copies) -> Prepared``; allocates inputs.
-        queue_ahead: time GPU work only: a GPU sleep is queued before each call's start event, so
-            the host has issued the call before the GPU reaches it (the launch latency and host
-            time the call costs are hidden; for calls too small to time in isolation, e.g. a
-            decode-shaped GEMM). Default False: an isolated call, what an eager caller pays.
+        queue_ahead: time GPU work only: an L2-evicting 1 GiB write is queued before each call's
+            start event, so the host has issued the call before the GPU reaches it (the launch
+            latency and host time the call costs are hidden; for calls too small to time in
+            isolation, e.g. a decode-shaped GEMM). Default False: an isolated call, what an eager
+            caller pays.
     """
 
     name: str
@@ -177,9 +179,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# ``queue_ahead``: GPU cycles of the sleep queued before each timed call (~100 us at the H100's
-# ~1.8 GHz: longer than any eager call's host time measured there, ~50 us).
-QUEUE_AHEAD_CYCLES = 200_000
+# ``queue_ahead``: a write of this many bytes is queued before each timed call: ~350 us of GPU work
+# on an H100 that also evicts L2 (as scripts/gpu_check_invariant_ops.py does). It must outlast the
+# host time of the timed call: eager decode-sized calls took up to ~120 us on the H100 host of
+# 2026-11-21, where 256 MiB (~90 us) still let some of it through (p80 2x the p20). A GPU sleep
+# instead gave 2-4x p20-p80 spreads.
+QUEUE_AHEAD_BYTES = 2**30
+_queue_ahead_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _queue_gpu_work(device: torch.device) -> None:
+    buf = _queue_ahead_buffers.get(device)
+    if buf is None:
+        buf = _queue_ahead_buffers[device] = torch.empty(QUEUE_AHEAD_BYTES, dtype=torch.int8, device=device)
+    buf.zero_()
 
 
 def time_interleaved(
@@ -207,7 +220,7 @@ def time_interleaved(
                 ]
                 for start, end in events:
                     if queue_ahead:
-                        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+                        _queue_gpu_work(device)
                     start.record()
                     fn(i % copies)
                     end.record()

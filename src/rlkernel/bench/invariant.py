@@ -5,7 +5,7 @@ Workloads (bf16 on the GPU; ``shape`` and ``tokens`` columns say the size):
     gemm            y = x·Wᵀ, x [M, K], W [N, K]: 8192×4096×4096 and Qwen3-8B's layer shapes
                     (q/o_proj 4096×4096, k/v_proj 1024×4096, gate/up_proj 12288×4096, down_proj
                     4096×12288, lm_head 151936×4096) at M = 8192 (prefill) and M = 1, 8, 64
-                    (decode); GPU time (``queue_ahead``: the kernels, not the host's launch path)
+                    (decode)
     gemm_eager      the decode rows (M <= 64) again as isolated eager calls: GPU time plus the
                     host time until the kernel starts (what one eager ``linear`` call costs)
     rmsnorm         HF Qwen3RMSNorm over [M, 4096], M = 8192 and 32768, against its bandwidth ceiling
@@ -25,6 +25,12 @@ Implementations:
                  timed call, so PyTorch's FlashAttention-2 backend applies on an H100), the unpatched
                  HF model with SDPA
     flash_attn   ``flash_attn_func`` / ``flash_attn_with_kvcache`` where flash-attn is importable
+
+Timing: the kernel workloads (gemm, rmsnorm, attn_*) are GPU time (``Workload.queue_ahead``: the
+host has issued each call before the GPU reaches it, so rows compare kernels and their ceilings,
+not Python launch paths); gemm_eager and the model workloads are eager calls timed as a caller sees
+them (for a decode step: mostly host time). ``scripts/profile_host_overhead.py`` breaks the host
+time of each op down.
 
 Bytes and flops (for the roofline columns; E = 2 bytes per bf16 element):
 
@@ -402,6 +408,7 @@ def build(opts: Options) -> list[Workload]:
                     two,
                     bytes_moved=(2 * m * sz.rms_h + sz.rms_h) * E,
                     input_bytes=m * sz.rms_h * E,
+                    queue_ahead=True,
                 )
             )
     hq, hkv, d = sz.heads
@@ -418,6 +425,7 @@ def build(opts: Options) -> list[Workload]:
                     attn_impls,
                     flops=2 * b * hq * t * t * d,
                     input_bytes=b * t * (hq + 2 * hkv) * d * E,
+                    queue_ahead=True,
                 )
             )
     if "attn_decode" in kinds and attn_impls:
@@ -432,6 +440,7 @@ def build(opts: Options) -> list[Workload]:
                     attn_impls,
                     bytes_moved=2 * b * tk * hkv * d * E,
                     input_bytes=b * (hq + 2 * tk * hkv) * d * E,
+                    queue_ahead=True,
                 )
             )
     model_kinds = (
