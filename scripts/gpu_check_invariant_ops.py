@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import importlib
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -44,6 +43,7 @@ if SMOKE:  # before any Triton kernel module is imported; the public ops run the
 
 import torch  # noqa: E402
 
+from rlkernel.bench.harness import gpu_time_ms  # noqa: E402
 from rlkernel.invariant.matmul import linear  # noqa: E402
 from rlkernel.invariant.rmsnorm import rms_norm  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402
@@ -140,33 +140,16 @@ def weight(n, k, dtype=BF16, seed=1):
     return rand(n, k, dtype=dtype, seed=seed, scale=k**-0.5)
 
 
-_flush = None
-
-
 def bench(fn) -> float:
-    """Median ms over REPS calls, CUDA events around each, L2 flushed before each (a 256 MB write
-    that also hides the host's launch latency: the GPU is busy while the next launch is queued)."""
-    global _flush
+    """Median ms over REPS calls: GPU time, each call queued behind an L2-evicting write (which also
+    hides the host's launch latency; ``rlkernel.bench.harness.gpu_time_ms``)."""
     if SMOKE:
         fn()
         t0 = time.perf_counter()
         for _ in range(REPS):
             fn()
         return (time.perf_counter() - t0) / REPS * 1e3
-    if _flush is None:
-        _flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEV)
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    for _ in range(REPS):
-        _flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return gpu_time_ms(fn, DEV, reps=REPS, warmup=WARMUP)
 
 
 def tflops(m, n, k, ms):

@@ -14,7 +14,8 @@ order (the 64x64x128 wgmma tile was in the bf16 class on the H100), and the prog
 
 1. Class: each candidate's rows for M in MS equal the table config's (``mma16_n32``) rows of the
    full product, bitwise, at K = 4096 and at a K-tail shape (bf16; fp16 keeps its own table).
-2. Time: CUDA events around each call, 256 MB L2 flush before each (also hides launch latency),
+2. Time: CUDA events around each call, queued behind a 1 GiB L2-evicting write (also hides launch
+   latency; ``rlkernel.bench.harness.gpu_time_ms``),
    median of REPS, at M = 1, 8, 16, 32, 64 for the five Qwen3-8B GEMMs, against cuBLAS.
 
 Ends with one table: per (shape, M) cuBLAS, the current table pick, the fastest in-class candidate.
@@ -23,7 +24,6 @@ Ends with one table: per (shape, M) cuBLAS, the current table pick, the fastest 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -34,6 +34,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
+from rlkernel.bench.harness import gpu_time_ms  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -69,28 +70,12 @@ else:
     }
     MS, PERF_MS, REPS, K_TAIL = (1, 5, 16, 17, 32, 64), (1, 8, 16, 32, 64), 20, (4072, 1000)
 
-_flush = None
-
 
 def bench(fn) -> float:
-    global _flush
     if SMOKE:
         fn()
         return 0.0
-    if _flush is None:
-        _flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEV)
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(REPS):
-        _flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return gpu_time_ms(fn, DEV, reps=REPS)
 
 
 def rand(*shape, dtype=BF16, seed=0, scale=1.0):

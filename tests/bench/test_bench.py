@@ -295,3 +295,28 @@ def test_harness_runs_any_suite_and_records_failures(tmp_path):
     assert csv_path.read_text().splitlines()[0].startswith("suite,workload,pass,n,impl,status,median_ms")
     table = report.format_table(rows, suite.param_columns)
     assert "error: RuntimeError: boom" in table and "skipped: n/a" in table
+
+
+def test_time_interleaved_queue_ahead_flag_on_cpu_is_plain_timing():
+    """``queue_ahead`` only changes CUDA timing; on the CPU the calls are timed as before."""
+    calls = {"a": lambda i: sum(range(100)), "b": lambda i: sum(range(200))}
+    out = harness.time_interleaved(calls, torch.device("cpu"), rounds=2, reps=2, queue_ahead=True)
+    assert set(out) == {"a", "b"} and all(len(v) == 4 and min(v) >= 0 for v in out.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_time_hides_the_host():
+    """``gpu_time_ms`` of a call that spends ~0.1 ms on the host before launching one tiny kernel
+    is the kernel's time (the queued write outlasts the host time); the same call timed in
+    isolation includes the host time."""
+    import time
+
+    x = torch.ones(1024, device="cuda")
+
+    def call():
+        time.sleep(0.0001)  # ~0.1 ms of "host work" before the launch (< the ~0.35 ms queued)
+        x.add_(1)
+
+    kernel_ms = harness.gpu_time_ms(call, torch.device("cuda"), reps=5, warmup=1)
+    isolated = harness.time_interleaved({"c": lambda i: call()}, torch.device("cuda"), rounds=1, reps=3)
+    assert kernel_ms < 0.05 < 0.1 <= min(isolated["c"])

@@ -195,6 +195,24 @@ def _queue_gpu_work(device: torch.device) -> None:
     buf.zero_()
 
 
+def gpu_time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int, warmup: int = 3) -> float:
+    """Median GPU time in ms of ``fn()`` (CUDA), each rep queued behind the L2-evicting write of
+    ``queue_ahead``: the kernels' time, without launch latency or host time. For GPU scripts that
+    time one call at a time (``scripts/gpu_check_invariant_ops.py``, ``gpu_decode_gemm_sweep.py``)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        _queue_gpu_work(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def time_interleaved(
     calls: dict[str, Callable[[int], Any]],
     device: torch.device,
