@@ -17,7 +17,8 @@ Sections (each in try/except: a failure is reported and the next section runs):
     error-path        mismatched dtype across ranks, an id outside the global V: every rank raises
                       the same ValueError (no hang), then a good call still works
     normalizers       global_normalizers over the group vs the sum computed on one rank
-    timing TP         TP fwd and fwd+bwd (default GEMMs), peak extra memory, fwd+bwd with fp32 GEMMs
+    timing TP         TP fwd and fwd+bwd (default GEMMs: on CUDA the Triton chunk kernels), peak
+                      extra memory, fwd+bwd with the PyTorch chunk math and with fp32 GEMMs
     timing 1 device   the unsharded fwd+bwd on one GPU: fp32 reference, and linear_token_logprobs
                       with the auto backend (the Triton linear path where it exists)
     Timings: CUDA events, median of 20 after 3 warmups, the slowest rank's.
@@ -305,6 +306,13 @@ def timing(run: Run, hidden, weight, ids):
         finally:
             rd.GEMM = saved
 
+    def tp_fwd_bwd_torch_elementwise():  # the PyTorch chunk math instead of the Triton kernels
+        saved, rd.ELEMENTWISE = rd.ELEMENTWISE, "torch"
+        try:
+            tp_fwd_bwd()
+        finally:
+            rd.ELEMENTWISE = saved
+
     peak = 0.0
     if run.device.type == "cuda":
         run.sync()
@@ -313,15 +321,18 @@ def timing(run: Run, hidden, weight, ids):
         tp_fwd_bwd()
         run.sync()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    times = [median_ms(run, fn) for fn in (tp_fwd, tp_fwd_bwd, tp_fwd_bwd_fp32)]
+    fns = (tp_fwd, tp_fwd_bwd, tp_fwd_bwd_fp32, tp_fwd_bwd_torch_elementwise)
+    times = [median_ms(run, fn) for fn in fns]
     stats = torch.tensor(times + [peak], device=run.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=run.group)  # the slowest rank's numbers
-    t_fwd, t_tp, t_fp32, peak = stats.tolist()
-    run.timings.update(tp=t_tp, tp_fp32=t_fp32)
+    t_fwd, t_tp, t_fp32, t_torch_ew, peak = stats.tolist()
+    run.timings.update(tp=t_tp, tp_fp32=t_fp32, tp_torch_elementwise=t_torch_ew)
     mode = "half-operand" if rd._half_gemm(w) else "fp32"
+    kernels = "Triton" if rd._use_kernels(h, rd._half_gemm(w)) else "PyTorch"
     detail = (
-        f"{mode} GEMMs: fwd {t_fwd:.1f} ms, fwd+bwd {t_tp:.1f} ms (peak extra {peak:.2f} GiB); "
-        f"fp32 GEMMs: fwd+bwd {t_fp32:.1f} ms (median of {run.reps}, max over ranks)"
+        f"{mode} GEMMs, {kernels} chunk math: fwd {t_fwd:.1f} ms, fwd+bwd {t_tp:.1f} ms (peak extra "
+        f"{peak:.2f} GiB); PyTorch chunk math: fwd+bwd {t_torch_ew:.1f} ms; fp32 GEMMs: fwd+bwd "
+        f"{t_fp32:.1f} ms (median of {run.reps}, max over ranks)"
     )
     return True, detail
 

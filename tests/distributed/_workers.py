@@ -143,6 +143,33 @@ def check_bf16_half_operand_gemms(ctx):
         rd.GEMM = saved
 
 
+def check_bf16_half_gemms_kernel_elementwise(ctx):
+    """GEMM="half" with the Triton log-prob kernels on the shard (ELEMENTWISE="auto", which the
+    interpreter runs on the CPU): per-rank partials combined by MAX + SUM, the backward kernel
+    writing ∂z in bf16. Against the reference, with and without entropy, frozen weight, and equal
+    (within fp32 rounding) to the PyTorch elementwise path; the same bits on every rank."""
+    import rlkernel.distributed as rd
+
+    saved = rd.GEMM, rd.ELEMENTWISE
+    rd.GEMM, rd.ELEMENTWISE = "half", "auto"
+    try:
+        h = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+        assert rd._use_kernels(h, True), "the kernel path must run here (CUDA or TRITON_INTERPRET=1)"
+        logp, ent, dh = compare_to_reference(ctx, dtype=torch.bfloat16, chunk_rows=4, seed=1)
+        compare_to_reference(ctx, dtype=torch.bfloat16, chunk_rows=6, seed=2, entropy=False, grad_w=False)
+        rd.ELEMENTWISE = "torch"
+        logp_t, ent_t, dh_t = compare_to_reference(ctx, dtype=torch.bfloat16, chunk_rows=4, seed=1)
+        torch.testing.assert_close(logp, logp_t, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(ent, ent_t, atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(dh.float(), dh_t.float(), atol=2e-2, rtol=2e-2)
+        for name, t in (("logp", logp), ("entropy", ent), ("dhidden", dh)):
+            parts = [torch.empty_like(t) for _ in range(ctx.world)]
+            dist.all_gather(parts, t.detach().contiguous(), group=ctx.group)
+            assert all(torch.equal(p, parts[0]) for p in parts), f"{name} differs across ranks"
+    finally:
+        rd.GEMM, rd.ELEMENTWISE = saved
+
+
 def check_no_bias_no_entropy_auto_chunks(ctx):
     compare_to_reference(ctx, dtype=torch.float32, bias=False, temperature=1.0, entropy=False, seed=2)
 
