@@ -44,6 +44,7 @@ if SMOKE:  # before any Triton kernel module is imported; the public ops run the
 import torch  # noqa: E402
 
 from rlkernel.bench.harness import gpu_time_ms  # noqa: E402
+from rlkernel.bench.invariant import GEMM_SHAPES  # noqa: E402
 from rlkernel.invariant.matmul import linear  # noqa: E402
 from rlkernel.invariant.rmsnorm import rms_norm  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402
@@ -78,13 +79,8 @@ else:
     K, N, M_FULL, OFFSET = 4096, 4096, 8192, 37
     MS = (1, 2, 8, 16, 17, 32, 33, 64, 65, 1000, 1024, 1025, 8192)
     BIG_M = 100_000
-    SHAPES = {
-        "q/o 4096->4096": (4096, 4096),
-        "k/v 4096->1024": (4096, 1024),
-        "gate/up 4096->12288": (4096, 12288),
-        "down 12288->4096": (12288, 4096),
-        "lm_head 4096->151936": (4096, 151936),
-    }
+    # Qwen3-8B's layer GEMMs and LM head, as the bench suite has them: "q/o 4096->4096": (K, N)
+    SHAPES = {f"{name.removesuffix('_proj')} {k}->{n}": (k, n) for n, k, name in GEMM_SHAPES}
     PERF_MS = (1, 8, 32, 64, 256, 2048, 8192)
     RMS_SHAPES = {"hidden [8192,4096]": (8192, 4096), "qk_norm [262144,128]": (262144, 128)}
     REPS, WARMUP = 25, 3

@@ -35,6 +35,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from rlkernel.bench.harness import gpu_time_ms  # noqa: E402
+from rlkernel.bench.invariant import GEMM_SHAPES  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -61,13 +62,8 @@ if SMOKE:
     SHAPES = {"q/o": (64, 64), "k/v": (64, 16), "down": (192, 64)}
     MS, PERF_MS, REPS, K_TAIL = (1, 5, 17, 64), (1, 8), 2, (40, 48)
 else:
-    SHAPES = {
-        "q/o 4096->4096": (4096, 4096),
-        "k/v 4096->1024": (4096, 1024),
-        "gate/up 4096->12288": (4096, 12288),
-        "down 12288->4096": (12288, 4096),
-        "lm_head 4096->151936": (4096, 151936),
-    }
+    # Qwen3-8B's layer GEMMs and LM head, as the bench suite has them: "q/o 4096->4096": (K, N)
+    SHAPES = {f"{name.removesuffix('_proj')} {k}->{n}": (k, n) for n, k, name in GEMM_SHAPES}
     MS, PERF_MS, REPS, K_TAIL = (1, 5, 16, 17, 32, 64), (1, 8, 16, 32, 64), 20, (4072, 1000)
 
 
