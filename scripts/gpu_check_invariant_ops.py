@@ -43,7 +43,7 @@ if SMOKE:  # before any Triton kernel module is imported; the public ops run the
 
 import torch  # noqa: E402
 
-from rlkernel.bench.harness import gpu_time_ms  # noqa: E402
+from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
 from rlkernel.bench.invariant import GEMM_SHAPES  # noqa: E402
 from rlkernel.invariant.matmul import linear  # noqa: E402
 from rlkernel.invariant.rmsnorm import rms_norm  # noqa: E402
@@ -138,7 +138,7 @@ def weight(n, k, dtype=BF16, seed=1):
 
 def bench(fn) -> float:
     """Median ms over REPS calls: GPU time, each call queued behind an L2-evicting write (which also
-    hides the host's launch latency; ``rlkernel.bench.harness.gpu_time_ms``)."""
+    hides the host's launch latency; ``rlkernel.bench.timing.gpu_time_ms``)."""
     if SMOKE:
         fn()
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ order (the 64x64x128 wgmma tile was in the bf16 class on the H100), and the prog
 1. Class: each candidate's rows for M in MS equal the table config's (``mma16_n32``) rows of the
    full product, bitwise, at K = 4096 and at a K-tail shape (bf16; fp16 keeps its own table).
 2. Time: CUDA events around each call, queued behind a 1 GiB L2-evicting write (also hides launch
-   latency; ``rlkernel.bench.harness.gpu_time_ms``),
+   latency; ``rlkernel.bench.timing.gpu_time_ms``),
    median of REPS, at M = 1, 8, 16, 32, 64 for the five Qwen3-8B GEMMs, against cuBLAS.
 
 Ends with one table: per (shape, M) cuBLAS, the current table pick, the fastest in-class candidate.
@@ -34,7 +34,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from rlkernel.bench.harness import gpu_time_ms  # noqa: E402
+from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
 from rlkernel.bench.invariant import GEMM_SHAPES  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402
 
