@@ -43,8 +43,8 @@ if SMOKE:  # before any Triton kernel module is imported; the public ops run the
 
 import torch  # noqa: E402
 
-from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
 from rlkernel.bench.invariant import GEMM_SHAPES  # noqa: E402
+from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
 from rlkernel.invariant.matmul import linear  # noqa: E402
 from rlkernel.invariant.rmsnorm import rms_norm  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402

@@ -34,8 +34,8 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
 from rlkernel.bench.invariant import GEMM_SHAPES  # noqa: E402
+from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
