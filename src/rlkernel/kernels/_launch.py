@@ -44,6 +44,11 @@ import torch
 # The one-line switch (the host-overhead script times both): False = Triton's own launch always.
 enabled = True
 
+# mul+add -> fma contraction for the kernels whose bits were verified with it (Triton <= 3.9's
+# default; 3.9 warns that 3.10 turns the default off, which would change their bits). Passed
+# explicitly by every launch that does not pin it off (attention, RMSNorm forward: False).
+FP_FUSION = True
+
 
 def _classes(args: tuple) -> list:
     """The specialization class of each runtime argument (hashable). Raises TypeError or

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from rlkernel._dispatch import interpreter_enabled
+from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels.attention import (
     LOG2E,
     _block_d,
@@ -330,6 +331,7 @@ def attention_bwd(
         UPCAST=_upcast_dots(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        enable_fp_fusion=FP_FUSION,
     )
     tail = (
         q,

@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
 
@@ -362,6 +363,7 @@ def _token_logprobs_fwd(
             NUM_STAGES=cfg.num_stages,
             HAS_ENTROPY=entropy is not None,
             num_warps=cfg.num_warps,
+            enable_fp_fusion=FP_FUSION,
         )
 
 
@@ -464,6 +466,7 @@ def _token_logprobs_bwd(
             HAS_GRAD_ENTROPY=grad_entropy is not None,
             HAS_SCALE=grad_scale is not None,
             num_warps=cfg.num_warps,
+            enable_fp_fusion=FP_FUSION,
         )
 
 

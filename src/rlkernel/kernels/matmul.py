@@ -68,7 +68,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from rlkernel.kernels._launch import FastLauncher
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
 
 
@@ -548,7 +548,7 @@ def _pointer_gemm(out, so0, so1, a, sa0, sa1, b, sb0, sb1, bias, m, n, k, cfg: M
             "HINT_N": sb1 == 1 and n % 16 == 0,
             "INTERPRET_UPCAST": _interpret_upcast(a),
         },
-        {"num_warps": cfg.num_warps},
+        {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
     )
 
 
@@ -634,6 +634,7 @@ def _launch_tma(a, b, out, bias, cfg: MatmulConfig) -> None:
         INTERPRET_UPCAST=_interpret_upcast(a),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        enable_fp_fusion=FP_FUSION,
     )
 
 

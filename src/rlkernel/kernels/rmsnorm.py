@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels._launch import FastLauncher
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
 
 MAX_HIDDEN = 65536
@@ -264,6 +264,7 @@ def rms_norm_bwd(
             BLOCK_H=cfg.block_h,
             ROWS=cfg.rows,
             num_warps=cfg.num_warps,
+            enable_fp_fusion=FP_FUSION,
         )
     # Second stage: a fixed-order reduction over the P partials (CUDA's sum uses no atomics).
     return dx, partial.sum(0).to(weight.dtype)

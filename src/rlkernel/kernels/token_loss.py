@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import pairwise_sum
 from rlkernel.kernels.logprobs import row_logprob_stats
@@ -512,6 +513,7 @@ def token_loss_fwd(
             HAS_ENTROPY=entropy is not None,
             **meta,
             num_warps=NUM_WARPS,
+            enable_fp_fusion=FP_FUSION,
         )
 
 
@@ -599,6 +601,7 @@ def token_loss_grad_in_fwd(
             NUM_STAGES=cfg.num_stages,
             HAS_ENTROPY=want_entropy,
             num_warps=cfg.num_warps,
+            enable_fp_fusion=FP_FUSION,
             **meta,
         )
     return loss_rows, logp, entropy, grad
@@ -613,5 +616,7 @@ def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n = grad.numel()
     if n:
         with _device_guard(grad):
-            _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](grad, scale, n, BLOCK=SCALE_BLOCK, num_warps=4)
+            _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](
+                grad, scale, n, BLOCK=SCALE_BLOCK, num_warps=4, enable_fp_fusion=FP_FUSION
+            )
     return grad
