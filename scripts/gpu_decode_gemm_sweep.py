@@ -2,6 +2,7 @@
 class, and how fast each is against cuBLAS at the Qwen3-8B layer shapes.
 
     PYTHONPATH=src python3 scripts/gpu_decode_gemm_sweep.py           # H100: ~2 min
+    PYTHONPATH=src python3 scripts/gpu_decode_gemm_sweep.py --fp16    # the same for fp16
     PYTHONPATH=src python3 scripts/gpu_decode_gemm_sweep.py --smoke   # CPU interpreter, tiny sizes
 
 Why these candidates. At M <= 64 a GEMM is a weight stream (M = 1: q/o reads 32 MB for 8 MFLOP),
@@ -13,7 +14,8 @@ order (the 64x64x128 wgmma tile was in the bf16 class on the H100), and the prog
 (GROUP_M) changes no bit at all; this script finds out, per candidate, whether that holds here.
 
 1. Class: each candidate's rows for M in MS equal the table config's (``mma16_n32``) rows of the
-   full product, bitwise, at K = 4096 and at a K-tail shape (bf16; fp16 keeps its own table).
+   full product, bitwise, at K = 4096 and at a K-tail shape (bf16, or fp16 with ``--fp16``
+   against fp16's ``decode`` configuration).
 2. Time: CUDA events around each call, queued behind a 1 GiB L2-evicting write (also hides launch
    latency; ``rlkernel.bench.timing.gpu_time_ms``),
    median of REPS, at M = 1, 8, 16, 32, 64 for the five Qwen3-8B GEMMs, against cuBLAS.
@@ -40,7 +42,9 @@ from rlkernel.kernels import matmul as km  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 BF16 = torch.bfloat16
-REF = "mma16_n32"  # a table config: the class every candidate must join
+# --fp16: the same sweep in fp16, against a configuration of fp16's table ("decode": 64x64x64).
+DTYPE = torch.float16 if "--fp16" in sys.argv else BF16
+REF = "decode" if DTYPE == torch.float16 else "mma16_n32"  # a table config: the class to join
 
 
 def _candidates() -> list[km.MatmulConfig]:
@@ -101,7 +105,7 @@ def main() -> int:
     t0 = time.perf_counter()
     ref = km.CANDIDATES_16[REF]
     verdicts: dict[str, list[str]] = {c.name: [] for c in CANDIDATES}
-    for dtype in (BF16,):
+    for dtype in (DTYPE,):
         for k, n in ((4096, 4096), K_TAIL) if not SMOKE else ((64, 64), K_TAIL):
             try:
                 for name, v in class_check(dtype, k, n, ref).items():
@@ -116,12 +120,12 @@ def main() -> int:
 
     rows = []
     for label, (k, n) in SHAPES.items():
-        w = rand(n, k, seed=3, scale=k**-0.5)
+        w = rand(n, k, dtype=DTYPE, seed=3, scale=k**-0.5)
         for m in PERF_MS:
-            x = rand(m, k, seed=4)
+            x = rand(m, k, dtype=DTYPE, seed=4)
             try:
                 t_cublas = bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-                table_cfg = km.config_for(m, n, k, BF16)
+                table_cfg = km.config_for(m, n, k, DTYPE)
                 t_table = bench(lambda x=x, w=w: km.matmul(x, w.t()))
                 times = {}
                 for cfg in in_class:
