@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from rlkernel.bench.harness import optional_import
+
 # The settings of the objectives every implementation computes (see rlkernel.bench.logits).
 TEMPERATURE = 0.9
 KL_COEF = 1e-3
@@ -164,13 +166,8 @@ def resolve_loss(name: str) -> tuple[Any, LossSpec]:
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
 def _liger_module() -> tuple[Any, str]:
-    try:
-        from liger_kernel.ops import grpo_loss
-    except Exception as exc:  # noqa: BLE001 - any import failure means "skip Liger"
-        return None, f"liger_kernel not importable ({type(exc).__name__}: {exc})"
-    return grpo_loss, ""
+    return optional_import("liger_kernel.ops.grpo_loss")
 
 
 def _liger(device: torch.device) -> tuple[Any, str]:

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -63,6 +65,16 @@ from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests a
     synchronize,
     time_interleaved,
 )
+
+
+@functools.cache
+def optional_import(name: str) -> tuple[Any, str]:
+    """``(module, "")``, or ``(None, why)`` when ``name`` cannot be imported: an optional baseline
+    (Liger-Kernel, flash-attn) that is not installed gives skipped rows, not an error. Cached."""
+    try:
+        return importlib.import_module(name), ""
+    except Exception as exc:  # noqa: BLE001 - any import failure means "skip this baseline"
+        return None, f"{name} not importable ({type(exc).__name__}: {exc})"
 
 
 class BenchError(ValueError):

@@ -51,7 +51,6 @@ Caveats:
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +58,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlkernel.bench.harness import BenchError, CallResult, Options, Prepared, Skip, Suite, Workload, select
+from rlkernel.bench.harness import (
+    BenchError,
+    CallResult,
+    Options,
+    Prepared,
+    Skip,
+    Suite,
+    Workload,
+    optional_import,
+    select,
+)
 
 IMPLS = ("rlkernel", "torch", "flash_attn")
 KINDS = (
@@ -199,19 +208,10 @@ def _rms_setup(m: int, h: int):
     return setup
 
 
-@functools.lru_cache(maxsize=1)
-def _flash_attn() -> tuple[Any, str]:
-    try:
-        import flash_attn
-    except Exception as exc:  # noqa: BLE001 - any import failure means "skip"
-        return None, f"flash_attn not importable ({type(exc).__name__})"
-    return flash_attn, ""
-
-
 def _flash(device: torch.device) -> tuple[Any, str]:
     if device.type != "cuda":
         return None, "flash-attn needs a CUDA device"
-    return _flash_attn()
+    return optional_import("flash_attn")
 
 
 def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int]):

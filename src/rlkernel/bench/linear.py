@@ -47,7 +47,17 @@ from typing import Any
 import torch
 
 from rlkernel.bench import logits as bl
-from rlkernel.bench.harness import BenchError, CallResult, Options, Prepared, Skip, Suite, Workload, select
+from rlkernel.bench.harness import (
+    BenchError,
+    CallResult,
+    Options,
+    Prepared,
+    Skip,
+    Suite,
+    Workload,
+    optional_import,
+    select,
+)
 
 IMPLS = ("rlkernel", "rlkernel_engine", "torch", "liger", "cublas_gemms")
 TEMPERATURE = bl.TEMPERATURE
@@ -128,11 +138,8 @@ def _bind(kind: Kind, inputs: list[dict], fwd: Callable[[dict], torch.Tensor]) -
 
 
 def _liger_cls():
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    except Exception as exc:  # noqa: BLE001 - any import failure means "skip Liger"
-        return None, f"liger_kernel.chunked_loss not importable ({type(exc).__name__}: {exc})"
-    return LigerFusedLinearGRPOLoss, ""
+    mod, why = optional_import("liger_kernel.chunked_loss")
+    return (mod.LigerFusedLinearGRPOLoss, "") if mod is not None else (None, why)
 
 
 def _liger_call(cls, spec: bl.LossSpec, kind: Kind, inputs: list[dict]):
