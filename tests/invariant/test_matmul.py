@@ -95,7 +95,11 @@ VERIFIED_CLASS = {
         # 2026-11-21 decode sweep (gpu_decode_gemm_sweep_h100_2026-11-21.log): BLOCK_K 64-256, GROUP_M 8
         "dec_n16_k256", "dec_n32_k256", "dec_n64_k128_s8", "dec_n64_k128_s4", "dec_n64_k64_s12",
     },
-    torch.float16: {"prefill", "prefill_tma", "mid", "decode", "decode_tma", "decode_n32", "decode_n16"},
+    torch.float16: {
+        "prefill", "prefill_tma", "mid", "decode", "decode_tma", "decode_n32", "decode_n16",
+        # the decode sweep in fp16 (gpu_decode_gemm_sweep_fp16_h100_2026-11-22.log)
+        "dec_n16_k256", "dec_n32_k256", "dec_n64_k128_s8", "dec_n64_k128_s4", "dec_n64_k64_s12",
+    },
     torch.float32: {"fp32", "fp32_decode"},
 }  # fmt: skip
 NK = ((1024, 4096), (4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096), (24, 72))  # Qwen3-8B, tiny

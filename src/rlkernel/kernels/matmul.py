@@ -20,15 +20,15 @@ dtype's table is in ONE measured class of mutually bitwise-equal configurations:
 in the same order, sequential K loop, no split-K; tile shape, BLOCK_K (64/128/256: a K tail is
 zero-filled up to the tile, and the extra all-zero k16 steps add exact zeros), warps, stages,
 program order (GROUP_M), TMA or pointer loads, persistent or not change no bit (H100, triton 3.6,
-2026-11-21, K = N = 4096: bf16 13 configs, fp16 7, fp32 2, each one class; 33 more 16-row bf16
-decode tiles with BLOCK_K 64-256 and GROUP_M = 8, also at K = 4072, N = 1000: the same class). That
-equality is a property of the tensor-core datapath and the compiler, not of this code, so
-``scripts/gpu_check_invariant_ops.py`` re-verifies on every run that ``table_configs(dtype)`` is
-one class (and that the public ``linear`` is invariant from M = 1 to 100,000): a GPU or Triton
-version that breaks the class shows up as a FAIL there. Until a GPU model has been checked, the
-tuned table is not used on it (``TUNED_CAPABILITIES``): ``MODE = "single"`` (one configuration per
-dtype for every M, safe by construction) runs instead, and stays available as the conservative
-one-line switch.
+2026-11-21, K = N = 4096: bf16 13 configs, fp16 7, fp32 2, each one class; 33 more 16-row decode
+tiles with BLOCK_K 64-256 and GROUP_M = 8, bf16 and fp16, also at K = 4072, N = 1000: the same
+class per dtype). That equality is a property of the tensor-core datapath and the compiler, not of
+this code, so ``scripts/gpu_check_invariant_ops.py`` re-verifies on every run that
+``table_configs(dtype)`` is one class (and that the public ``linear`` is invariant from M = 1 to
+100,000): a GPU or Triton version that breaks the class shows up as a FAIL there. Until a GPU model
+has been checked, the tuned table is not used on it (``TUNED_CAPABILITIES``): ``MODE = "single"``
+(one configuration per dtype for every M, safe by construction) runs instead, and stays available
+as the conservative one-line switch.
 
 Two kernels with the same per-element arithmetic:
     * ``_matmul_kernel``: pointer loads (``cp.async`` pipelined by ``num_stages``), one program per
@@ -100,8 +100,8 @@ class MatmulConfig:
 # Candidates (scripts/gpu_check_invariant_ops.py checks and, with --sweep, times them all;
 # scripts/gpu_decode_gemm_sweep.py sweeps 16-row decode tiles). "decode_k128" and
 # "prefill_tma_s4" (over the H100's shared memory) are measured but kept out of the tables; the
-# mma16* and dec_* 16-row tiles were measured in the bf16 class on the H100 (the dec_* ones also
-# at a K-tail shape), not yet for fp16 (the GPU script checks every table's class on every run).
+# mma16* and dec_* 16-row tiles were measured in the bf16 class on the H100, the dec_* ones also in
+# fp16's and at a K-tail shape (the GPU script checks every table's class on every run).
 CANDIDATES_16 = {
     c.name: c
     for c in (
@@ -124,7 +124,7 @@ CANDIDATES_16 = {
         # Decode (M <= 64): 16-row mma.sync tiles with 4-8x more weight bytes per pipeline stage
         # (BLOCK_K = 128/256: the same k16 steps in the same order) and GROUP_M = 8 (the <= 4 row
         # tiles of one column tile run together: the weight is read from HBM once). All 33 swept
-        # variants were in the bf16 class on the H100 (gpu_decode_gemm_sweep_h100_2026-11-21.log).
+        # variants were in the bf16 and the fp16 class on the H100 (gpu_decode_gemm_sweep_*.log).
         MatmulConfig(16, 16, 256, 8, 2, 4, name="dec_n16_k256"),
         MatmulConfig(16, 32, 256, 8, 2, 4, name="dec_n32_k256"),
         MatmulConfig(16, 64, 128, 8, 4, 8, name="dec_n64_k128_s8"),
@@ -192,11 +192,14 @@ TUNED: dict[torch.dtype, list[tuple[float, dict[str, tuple[MatmulConfig, ...]]]]
             ),
         ),
     ],
-    # fp16: only the 7 configs that the H100 run compared for fp16 (one class): no mma16,
-    # prefill_256x128, flattened or warp-specialized TMA yet; bf16's timings for those.
+    # fp16: the configs the H100 runs compared for fp16 (one class): the decode cells are bf16's
+    # (the 16-row dec_* tiles, checked for fp16 by gpu_decode_gemm_sweep.py --fp16);
+    # no prefill_256x128, flattened or warp-specialized TMA yet; bf16's timings for those.
     torch.float16: [
-        (16, _cells(["decode"], ["decode"], ["decode"])),
-        (64, _cells(["decode"], ["decode_n32"], ["decode_n32"])),
+        (1, _cells(["dec_n32_k256"], ["dec_n64_k128_s8"], ["dec_n64_k128_s8"])),
+        (16, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k128_s8"])),
+        (32, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k64_s12"])),
+        (64, _cells(["dec_n16_k256"], ["dec_n64_k128_s4"], ["decode_n32"])),
         (1024, _cells(["decode", "decode_n16"], ["mid", "decode"], ["mid"])),
         (float("inf"), _cells(["prefill", "decode"], ["prefill_tma", "mid"], ["prefill_tma", "prefill"])),
     ],
@@ -331,11 +334,30 @@ def describe_launch(m: int, n: int, k: int, dtype: torch.dtype, mode: str | None
 
 def _interpret_upcast(a: torch.Tensor) -> bool:
     # The CPU interpreter's tl.dot gives garbage for 16-bit float tiles (triton 3.9, 2026-11-21):
-    # there, and only there, the tiles are upcast to fp32 first. Compiled kernels never take it.
+    # there, and only there, the tiles are upcast to fp32 and multiplied by ``_interpreted_dot``
+    # (a BLOCK_K-independent K order). Compiled kernels never take it.
     return a.is_cpu and a.dtype is not torch.float32
 
 
 # --------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _interpreted_dot(a, b, acc):
+    """CPU interpreter only (16-bit inputs, upcast to fp32): ``acc + a @ b`` as a chain of k16
+    steps in increasing k, ``acc = acc + a[:, 16c:16c+16] @ b[16c:16c+16, :]``, as the tensor cores
+    run it for every BLOCK_K. The interpreter's ``tl.dot`` on a whole tile is one numpy matmul whose
+    rounding points change with the tile's K, so configurations of different BLOCK_K would differ
+    here although they agree on the GPU. (The 16-wide slices are taken by masked sums: exact.)"""
+    n_chunks: tl.constexpr = a.shape[1] // 16
+    a3 = tl.reshape(a, (a.shape[0], n_chunks, 16))
+    b3 = tl.reshape(b, (n_chunks, 16, b.shape[1]))
+    cc = tl.arange(0, n_chunks)
+    for c in tl.static_range(n_chunks):
+        a16 = tl.sum(tl.where(cc[None, :, None] == c, a3, 0.0), axis=1)
+        b16 = tl.sum(tl.where(cc[:, None, None] == c, b3, 0.0), axis=0)
+        acc = tl.dot(a16, b16, acc, input_precision="ieee")
+    return acc
+
+
 @triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped tile order: ``GROUP_M`` consecutive row-tiles sweep the column-tiles together, so a
@@ -409,11 +431,11 @@ def _matmul_kernel(
         else:
             a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
-        if INTERPRET_UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
         # The K-reduction order of every output element: this one dot per BLOCK_K, in increasing k.
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if INTERPRET_UPCAST:
+            acc = _interpreted_dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -470,9 +492,9 @@ def _matmul_tma_kernel(
             else:
                 b = b_desc.load([ki * BLOCK_K, off_n])
             if INTERPRET_UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+                acc = _interpreted_dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
