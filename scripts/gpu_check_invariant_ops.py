@@ -9,9 +9,8 @@ Each section on its own (a failure prints FAIL/ERROR and the next section runs):
 1. Class check (bf16, fp16, fp32): every config of the default table (``table_configs(dtype)``) is
    invariant across M (rows and offset slices, ``torch.equal``) and all are mutually bitwise equal,
    at K = N = 4096 and at a K-tail shape. This re-verifies, on this GPU and Triton, the premise of
-   the tuned table's invariance (incl. the new mma16_n32/mma16_n16 cells, now also at the K-tail
-   shape): FAIL = set ``MODE = "single"``. INFO: where timed non-table candidates (bf16) and the
-   bf16 table's configs (fp16, incl. mma16_n32/n16) fall (``--sweep``: every candidate).
+   the tuned table's invariance (fp16 runs bf16's table): FAIL = set ``MODE = "single"``. INFO:
+   where timed non-table candidates (bf16) fall (``--sweep``: every candidate).
 2. Public ``linear`` in the default mode: rows equal across M = 1 … 100,000 (bucket edges, offsets,
    bias; a wide and a narrow weight), and at every Qwen3-8B layer shape the rows of M = 1 … 2048
    equal those of M = 8192 (every weight class of the table).

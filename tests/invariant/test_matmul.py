@@ -97,8 +97,10 @@ VERIFIED_CLASS = {
     },
     torch.float16: {
         "prefill", "prefill_tma", "mid", "decode", "decode_tma", "decode_n32", "decode_n16",
-        # the decode sweep in fp16 (gpu_decode_gemm_sweep_fp16_h100_2026-11-22.log)
+        # the decode sweep in fp16 (gpu_decode_gemm_sweep_fp16_h100_2026-11-22.log) and the GPU check
+        # of bf16's table in fp16 (gpu_check_invariant_ops_h100_2026-11-22_fp16.log and later runs)
         "dec_n16_k256", "dec_n32_k256", "dec_n64_k128_s8", "dec_n64_k128_s4", "dec_n64_k64_s12",
+        "prefill_256x128", "prefill_tma_flat", "prefill_tma_ws",
     },
     torch.float32: {"fp32", "fp32_decode"},
 }  # fmt: skip

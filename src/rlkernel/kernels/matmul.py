@@ -176,33 +176,27 @@ def _cells(narrow, wide, vocab) -> dict[str, tuple[MatmulConfig, ...]]:
 # 12.8 vs 10.6 us; wide M = 64: gate/up 57.6 vs 48.5 us), where the former mma16_n16/n32 cells
 # ran 1.0-4.4x (their GROUP_M = 1 read the weight once per row tile at M > 16). The vocab cell at
 # M = 33-64 keeps decode_n32 (64-row wgmma tile: 454 vs 746 us for the best 16-row tile).
-TUNED: dict[torch.dtype, list[tuple[float, dict[str, tuple[MatmulConfig, ...]]]]] = {
-    torch.bfloat16: [
-        (1, _cells(["dec_n32_k256"], ["dec_n64_k128_s8"], ["dec_n64_k128_s8"])),
-        (16, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k128_s8"])),
-        (32, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k64_s12"])),
-        (64, _cells(["dec_n16_k256"], ["dec_n64_k128_s4"], ["decode_n32"])),
-        (1024, _cells(["decode", "decode_n16"], ["mid", "decode"], ["mid"])),
-        (
-            float("inf"),
-            _cells(
-                ["prefill_256x128", "decode"],
-                ["prefill_tma_flat", "prefill_256x128", "mid"],
-                ["prefill_tma_ws", "prefill_256x128"],
-            ),
+_TABLE_16: list[tuple[float, dict[str, tuple[MatmulConfig, ...]]]] = [
+    (1, _cells(["dec_n32_k256"], ["dec_n64_k128_s8"], ["dec_n64_k128_s8"])),
+    (16, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k128_s8"])),
+    (32, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k64_s12"])),
+    (64, _cells(["dec_n16_k256"], ["dec_n64_k128_s4"], ["decode_n32"])),
+    (1024, _cells(["decode", "decode_n16"], ["mid", "decode"], ["mid"])),
+    (
+        float("inf"),
+        _cells(
+            ["prefill_256x128", "decode"],
+            ["prefill_tma_flat", "prefill_256x128", "mid"],
+            ["prefill_tma_ws", "prefill_256x128"],
         ),
-    ],
-    # fp16: the configs the H100 runs compared for fp16 (one class): the decode cells are bf16's
-    # (the 16-row dec_* tiles, checked for fp16 by gpu_decode_gemm_sweep.py --fp16);
-    # no prefill_256x128, flattened or warp-specialized TMA yet; bf16's timings for those.
-    torch.float16: [
-        (1, _cells(["dec_n32_k256"], ["dec_n64_k128_s8"], ["dec_n64_k128_s8"])),
-        (16, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k128_s8"])),
-        (32, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k64_s12"])),
-        (64, _cells(["dec_n16_k256"], ["dec_n64_k128_s4"], ["decode_n32"])),
-        (1024, _cells(["decode", "decode_n16"], ["mid", "decode"], ["mid"])),
-        (float("inf"), _cells(["prefill", "decode"], ["prefill_tma", "mid"], ["prefill_tma", "prefill"])),
-    ],
+    ),
+]
+TUNED: dict[torch.dtype, list[tuple[float, dict[str, tuple[MatmulConfig, ...]]]]] = {
+    torch.bfloat16: _TABLE_16,
+    # fp16: bf16's table. Every one of its configurations was in fp16's class on the H100 on
+    # 2026-11-22 (the dec_* tiles by gpu_decode_gemm_sweep.py --fp16, the rest by the GPU check);
+    # timed in fp16 at M <= 64 (0.93-1.22x cuBLAS), above that bf16's timings stand in.
+    torch.float16: _TABLE_16,
     torch.float32: [
         (64, dict.fromkeys(("narrow", "wide", "vocab"), (_C32["fp32_decode"],))),
         (float("inf"), dict.fromkeys(("narrow", "wide", "vocab"), (_C32["fp32"],))),
