@@ -117,3 +117,10 @@ def resolve_backend(device: torch.device, *, has_kernel: bool) -> str:
             f"got a tensor on {device}"
         )
     return "triton"
+
+
+def call_op(op, *args):
+    """Run a ``torch.library.custom_op`` ``op``: in eager code its Python body directly (the
+    dispatcher costs host time per call, and a decode step is host bound); under ``torch.compile``
+    the registered op, so the trace sees it instead of breaking at a Triton launch."""
+    return op(*args) if torch.compiler.is_compiling() else op._init_fn(*args)

@@ -254,8 +254,9 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
             dh = torch.empty(b_end - b_start, width, dtype=acc, device=hidden.device) if need_h else None
             for start in range(b_start, b_end, step):
                 rows = slice(start, min(start + step, b_end))
+                g_ent_rows = None if g_ent is None else g_ent[rows]
                 if ctx.kernels:
-                    args = (lse[rows], entropy[rows], g_logp[rows], g_ent, rows, ctx.temperature)
+                    args = (lse[rows], entropy[rows], g_logp[rows], g_ent_rows, ctx.temperature)
                     g = _kernel_grad_chunk(gemms, hidden[rows], kernel_ids[rows], *args)
                     if need_b:
                         d_bias += g.sum(0, dtype=acc)
@@ -265,8 +266,7 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
                         entropy[rows],
                         g_logp[rows],
                         g_target[rows],
-                        g_ent,
-                        rows,
+                        g_ent_rows,
                         ctx.temperature,
                     )
                     gz = _torch_grad_chunk(gemms, hidden[rows], local[rows], *args)
@@ -314,7 +314,7 @@ def _torch_forward(gemms, hidden, local, owned, group, chunk_rows, want_ent, out
             entropy[rows] = log_s - sums[2] / sums[0]
 
 
-def _torch_grad_chunk(gemms, h, local, lse, entropy, g_logp, g_target, g_ent, rows, temperature):
+def _torch_grad_chunk(gemms, h, local, lse, entropy, g_logp, g_target, g_ent, temperature):
     """∂L/∂(h W_rᵀ + b_r) of one chunk in PyTorch ops (fp32, or fp64 for fp64 inputs):
     ``[g_logp·(δ − p) − g_ent·p·(log p + H)] / T``, the one-hot only on the owner rank."""
     z = gemms.logits(h)
@@ -324,7 +324,7 @@ def _torch_grad_chunk(gemms, h, local, lse, entropy, g_logp, g_target, g_ent, ro
     gz.scatter_add_(-1, local[:, None], g_target[:, None])
     if g_ent is not None:
         log_p = torch.where(p > 0, z, 0.0)
-        gz -= g_ent[rows, None] * p * (log_p + entropy[:, None])
+        gz -= g_ent[:, None] * p * (log_p + entropy[:, None])
     return gz.div_(temperature)
 
 
@@ -368,7 +368,7 @@ def _kernel_forward(gemms, hidden, kernel_ids, owned, group, temperature, chunk_
             entropy[rows] = (sums[2] + sums[3]) / sums[0] + log_s
 
 
-def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, rows, temperature):
+def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, temperature):
     """∂L/∂(h W_rᵀ + b_r) of one chunk in the operand dtype, from the Triton backward kernel on the
     recomputed raw logits: ``[g_logp·(δ − p) − g_ent·p·(log p + H)] / T`` with the global ``lse``
     and ``H`` (the one-hot only on the owner rank: ``kernel_ids`` is V_r elsewhere)."""
@@ -382,7 +382,7 @@ def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, rows, 
         lse,
         entropy if g_ent is not None else None,
         g_logp,
-        None if g_ent is None else g_ent[rows],
+        g_ent,
         g,
         temperature=temperature,
         ignore_index=-1,

@@ -135,16 +135,12 @@ def _(grad_out, q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k, max_se
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-def _call(op, *args):
-    # Eager calls run the op's Python body directly (the torch.library dispatcher costs host time
-    # per call, and decode is host bound); traced code (torch.compile) sees the registered op.
-    return op(*args) if torch.compiler.is_compiling() else op._init_fn(*args)
-
-
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
-        out, lse = _call(_fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
+        out, lse = _dispatch.call_op(
+            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale
+        )
         ctx.save_for_backward(q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k)
         ctx.scale = scale
         ctx.max_seqlen_q = max_seqlen_q
@@ -154,7 +150,7 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, key_start, cu_q, cu_k = ctx.saved_tensors
         args = (grad_out.contiguous(), q, k, v, out, lse, key_start, cu_q, cu_k, ctx.max_seqlen_q, ctx.scale)
-        dq, dk, dv = _call(_bwd_op, *args)
+        dq, dk, dv = _dispatch.call_op(_bwd_op, *args)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -270,7 +266,9 @@ def attention(
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         # No gradient wanted (rollout, decode): the forward op without the autograd Function's
         # host overhead; the same op, so the same bits.
-        return _call(_fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)[0]
+        return _dispatch.call_op(
+            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale
+        )[0]
     return _AttentionFunction.apply(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
 
 

@@ -71,15 +71,11 @@ def _(a, b):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _call(op, *args):
-    # Eager calls run the op's Python body directly (the dispatcher costs host time per call);
-    # traced code (torch.compile) sees the registered op.
-    return op(*args) if torch.compiler.is_compiling() else op._init_fn(*args)
-
-
 # -------------------------------------------------------------------------------------- autograd
 def _linear_fwd(x, weight, bias, backend):
-    return _call(_linear_op, x, weight, bias) if backend == "triton" else ref.linear(x, weight, bias)
+    return (
+        _dispatch.call_op(_linear_op, x, weight, bias) if backend == "triton" else ref.linear(x, weight, bias)
+    )
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -101,9 +97,9 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.backend == "triton" and BACKWARD_GEMM == "kernel":
             dy = grad_out.contiguous()
             if need_x:
-                dx = _call(_mm_op, dy, weight)  # [M, N] @ [N, K]
+                dx = _dispatch.call_op(_mm_op, dy, weight)  # [M, N] @ [N, K]
             if need_w:
-                dw = _call(_mm_op, dy.t(), x)  # [N, M] @ [M, K]
+                dw = _dispatch.call_op(_mm_op, dy.t(), x)  # [N, M] @ [M, K]
         elif ctx.backend == "triton":  # cuBLAS in the inputs' dtype (fp32 accumulation)
             if need_x:
                 dx = torch.mm(grad_out, weight)

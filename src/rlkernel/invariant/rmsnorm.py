@@ -60,21 +60,17 @@ def _(grad_out, x, weight, rstd):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
-def _call(op, *args):
-    return op(*args) if torch.compiler.is_compiling() else op._init_fn(*args)
-
-
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        out, rstd = _call(_fwd_op, x, weight, eps)
+        out, rstd = _dispatch.call_op(_fwd_op, x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
-        dx, dweight = _call(_bwd_op, grad_out.contiguous(), x, weight, rstd)
+        dx, dweight = _dispatch.call_op(_bwd_op, grad_out.contiguous(), x, weight, rstd)
         return dx, dweight, None
 
 
@@ -117,7 +113,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     if wants_grad:
         out = _RMSNormFunction.apply(x2, weight.contiguous(), eps)
     else:
-        out = _call(_fwd_op, x2, weight.contiguous(), eps)[0]
+        out = _dispatch.call_op(_fwd_op, x2, weight.contiguous(), eps)[0]
     return out.reshape(x.shape)
 
 

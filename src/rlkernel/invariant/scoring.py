@@ -336,25 +336,6 @@ def _decode_timer(model, prompts, completions, batch_size: int, *, steps: int) -
 
 
 @torch.no_grad()
-def time_prefill(model, prompts, completions, batch_size: int, *, reps: int, warmup: int = 2) -> float:
-    """Median ms of one right-padded prefill forward over the first ``batch_size`` sequences."""
-    run = _prefill_timer(model, prompts, completions, batch_size)
-    for _ in range(warmup):
-        run()
-    return statistics.median(t for _ in range(reps) for t in run())
-
-
-@torch.no_grad()
-def time_decode_step(model, prompts, completions, batch_size: int, *, steps: int, warmup: int = 1) -> float:
-    """Median ms of one decode step (``batch_size`` rows, KV cache primed with the left-padded
-    prompts, then ``steps`` steps feeding the completion tokens)."""
-    run = _decode_timer(model, prompts, completions, batch_size, steps=steps)
-    for _ in range(warmup):
-        run()
-    return statistics.median(run())
-
-
-@torch.no_grad()
 def time_patched_vs_unpatched(
     model, prompts, completions, *, prefill_batch: int, decode_batch: int, reps: int, steps: int
 ) -> dict[str, float]:

@@ -146,6 +146,26 @@ class FastLauncher:
             self._compiled[key] = compiled
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division of Python ints. ``triton.cdiv`` is a ConstexprFunction in recent
+    Triton (argument unwrapping on every call: ~1-6 us of host time each), too slow per launch."""
+    return -(-a // b)
+
+
+_sm_count: dict[int, int] = {}
+
+
+def num_sms(device: torch.device, *, interpreter: int) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device); ``interpreter`` on the CPU (the
+    program count a persistent or multi-stage kernel should use to exercise its loops there)."""
+    if device.type != "cuda":
+        return interpreter
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count:
+        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count[idx]
+
+
 _NO_GUARD = contextlib.nullcontext()
 
 

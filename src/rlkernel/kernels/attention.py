@@ -60,6 +60,7 @@ import triton.language as tl
 
 from rlkernel._dispatch import interpreter_enabled
 from rlkernel.kernels._launch import FastLauncher
+from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
 
 # Whether the kernels below run in the CPU interpreter: fixed when they are decorated (Triton reads
@@ -78,12 +79,6 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
-
-
-def _cdiv(a: int, b: int) -> int:
-    # Host-side ceil division of Python ints. ``triton.cdiv`` is a ConstexprFunction in recent
-    # Triton (argument unwrapping on every call: ~1-6 us of host time each), too slow per launch.
-    return -(-a // b)
 
 
 @functools.lru_cache(maxsize=64)

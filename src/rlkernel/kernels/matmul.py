@@ -68,14 +68,9 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from rlkernel.kernels._launch import FP_FUSION, FastLauncher
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher, num_sms
+from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
-
-
-def _cdiv(a: int, b: int) -> int:
-    # Host-side ceil division of Python ints. ``triton.cdiv`` is a ConstexprFunction in recent
-    # Triton (argument unwrapping on every call: ~1-6 us of host time each), too slow per launch.
-    return -(-a // b)
 
 
 # ------------------------------------------------------------------------------------ configuration
@@ -261,7 +256,6 @@ def table_configs(dtype: torch.dtype, mode: str | None = None) -> list[MatmulCon
 
 
 _capability: dict[int, tuple[int, int]] = {}
-_sm_count: dict[int, int] = {}
 
 
 def _device_index(device: torch.device) -> int:
@@ -269,12 +263,7 @@ def _device_index(device: torch.device) -> int:
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few persistent programs exercise the tile loop
-    idx = _device_index(device)
-    if idx not in _sm_count:
-        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_count[idx]
+    return num_sms(device, interpreter=4)  # interpreter: a few persistent programs exercise the tile loop
 
 
 def _device_capability(device: torch.device) -> tuple[int, int]:

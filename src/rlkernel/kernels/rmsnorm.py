@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels._launch import FP_FUSION, FastLauncher
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher, num_sms
+from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
 
 MAX_HIDDEN = 65536
@@ -53,12 +54,6 @@ class RMSNormConfig:
     num_warps: int
 
 
-def _cdiv(a: int, b: int) -> int:
-    # Host-side ceil division of Python ints. ``triton.cdiv`` is a ConstexprFunction in recent
-    # Triton (argument unwrapping on every call: ~1-6 us of host time each), too slow per launch.
-    return -(-a // b)
-
-
 @functools.lru_cache(maxsize=256)
 def config_for(hidden: int) -> RMSNormConfig:
     """Rows per program and warps: ~2k–4k values per program, from H alone."""
@@ -68,16 +63,8 @@ def config_for(hidden: int) -> RMSNormConfig:
     return RMSNormConfig(block_h, rows, warps)
 
 
-_sm_count: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # interpreter: two programs exercise the two-stage reduction
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_count:
-        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_count[idx]
+    return num_sms(device, interpreter=2)  # interpreter: two programs exercise the two-stage reduction
 
 
 # --------------------------------------------------------------------------------------- kernels
