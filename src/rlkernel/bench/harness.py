@@ -372,6 +372,20 @@ def select(requested: Sequence[str] | None, valid: tuple[str, ...], what: str, s
     return tuple(r for r in valid if r in requested)
 
 
+def token_and_vocab_sizes(
+    opts: Options, *, full: tuple[int, ...], quick: tuple[int, ...], smoke: tuple[int, ...],
+    vocab_full: tuple[int, ...], vocab_smoke: tuple[int, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+    """The token counts and vocabulary sizes of a run: ``--n`` / ``--v`` if given, else the suite's
+    defaults for ``--smoke`` / ``--quick`` / a full run. Raises BenchError on a size < 1."""
+    ns = opts.n_tokens or (smoke if opts.smoke else quick if opts.quick else full)
+    vs = opts.vocab or (vocab_smoke if opts.smoke else vocab_full)
+    for x in (*ns, *vs):
+        if x < 1:
+            raise BenchError(f"sizes must be positive integers, got {x}")
+    return ns, vs
+
+
 def columns_for(suite: Suite) -> tuple[str, ...]:
     return COMMON_HEAD + suite.param_columns + COMMON_TAIL
 

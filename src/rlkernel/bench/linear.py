@@ -48,7 +48,6 @@ import torch
 
 from rlkernel.bench import logits as bl
 from rlkernel.bench.harness import (
-    BenchError,
     CallResult,
     Options,
     Prepared,
@@ -57,6 +56,7 @@ from rlkernel.bench.harness import (
     Workload,
     optional_import,
     select,
+    token_and_vocab_sizes,
 )
 
 IMPLS = ("rlkernel", "rlkernel_engine", "torch", "liger", "cublas_gemms")
@@ -352,12 +352,10 @@ def build(opts: Options) -> list[Workload]:
     """The workloads selected by ``opts`` (kind × N), each with its implementations."""
     kinds = select(opts.workloads, tuple(KINDS), "workload", "linear")
     impls = select(opts.impls, IMPLS, "implementation", "linear")
-    ns = opts.n_tokens or (N_SMOKE if opts.smoke else N_QUICK if opts.quick else N_FULL)
-    vs = opts.vocab or (V_SMOKE if opts.smoke else V_FULL)
+    ns, vs = token_and_vocab_sizes(
+        opts, full=N_FULL, quick=N_QUICK, smoke=N_SMOKE, vocab_full=V_FULL, vocab_smoke=V_SMOKE
+    )
     h = H_SMOKE if opts.smoke else HIDDEN
-    for x in (*ns, *vs):
-        if x < 1:
-            raise BenchError(f"sizes must be positive integers, got {x}")
     out = []
     for name in kinds:
         kind = KINDS[name]

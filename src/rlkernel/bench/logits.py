@@ -91,7 +91,16 @@ from rlkernel.bench._logits_baselines import (  # noqa: F401 - some only re-expo
     torch_policy_loss_from_logits,
     torch_token_logprobs,
 )
-from rlkernel.bench.harness import BenchError, CallResult, Options, Prepared, Skip, Suite, Workload, select
+from rlkernel.bench.harness import (
+    CallResult,
+    Options,
+    Prepared,
+    Skip,
+    Suite,
+    Workload,
+    select,
+    token_and_vocab_sizes,
+)
 
 IMPLS = ("rlkernel", "torch", "torch.compile", "liger")
 SEQ_LEN = 1024
@@ -375,11 +384,9 @@ def build(opts: Options) -> list[Workload]:
     """The workloads selected by ``opts`` (kind × N × V), each with its implementations."""
     kinds = select(opts.workloads, tuple(KINDS), "workload", "logits")
     impls = select(opts.impls, IMPLS, "implementation", "logits")
-    ns = opts.n_tokens or (N_SMOKE if opts.smoke else N_QUICK if opts.quick else N_FULL)
-    vs = opts.vocab or (V_SMOKE if opts.smoke else V_FULL)
-    for x in (*ns, *vs):
-        if x < 1:
-            raise BenchError(f"sizes must be positive integers, got {x}")
+    ns, vs = token_and_vocab_sizes(
+        opts, full=N_FULL, quick=N_QUICK, smoke=N_SMOKE, vocab_full=V_FULL, vocab_smoke=V_SMOKE
+    )
     out = []
     for name in kinds:
         kind = KINDS[name]
