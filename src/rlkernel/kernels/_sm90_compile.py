@@ -1,6 +1,7 @@
 """Compile every Triton kernel of the package for the H100 (sm_90) on a machine without a GPU.
 
-    python -m rlkernel.kernels._sm90_compile        # prints one line per kernel launch; exit 1 on failure
+    python -m rlkernel.kernels._sm90_compile            # one line per kernel launch; exit 1 on failure
+    python -m rlkernel.kernels._sm90_compile --digest   # ... each with a digest of its PTX
 
 Why: CI has no GPU and runs the kernels in the CPU interpreter, which does not compile them. Some
 errors exist only in the compiled path (found on the H100 on 2026-11-21: a module-level float read
@@ -16,11 +17,16 @@ binary — bind the arguments, specialize them (dtype, 16-byte alignment, int cl
 constexprs and options — and then ``triton.compile`` for sm_90 instead of launching. So every
 kernel is compiled with the signature and the constexprs our launchers really pass, for each
 configuration listed in :func:`launches`. Flags that exist only for the interpreter
-(``INTERPRET_UPCAST``, ``UPCAST``) are compiled as on the GPU (False).
+(``INTERPRETED``) are compiled as on the GPU (False).
 
 Must run in a process without ``TRITON_INTERPRET=1`` (the kernels must be ``JITFunction``s):
 ``tests/kernels/test_sm90_compile.py`` starts it as a subprocess. The TMA (tensor-descriptor)
 matmul kernel is not compiled here (its descriptors need the driver); the GPU check covers it.
+
+``--digest`` adds to each line a digest of the PTX with its debug records removed (see
+:func:`ptx_digest`): two builds whose digests agree run the same GPU code, so a refactor
+of kernel source (a helper extracted, an interpreter-only branch added) can be shown to leave the
+GPU binaries unchanged without a GPU (``ptxas`` is deterministic for a given PTX and options).
 
 Caveats:
     * It compiles with the installed Triton (CI: the latest release), which may differ from the
@@ -36,11 +42,30 @@ import sys
 import time
 import traceback
 
-_INTERPRETER_ONLY = ("INTERPRET_UPCAST", "UPCAST")
+_INTERPRETER_ONLY = ("INTERPRETED",)
+
+
+def ptx_digest(ptx: str) -> str:
+    """A digest of ``ptx`` that ignores its debug records: the ``.debug_*`` sections (they follow
+    the code), ``.loc``/``.file`` lines and the ``$L__tmp`` labels that only the debug records use.
+    Source lines and inlining records move with edits that do not change the code."""
+    import hashlib
+    import re
+
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    kept = [
+        line.strip()
+        for line in code.splitlines()
+        if line.strip()
+        and not line.strip().startswith((".loc", ".file", "//"))
+        and not re.fullmatch(r"\$L__tmp\d+:", line.strip())
+    ]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
 def _compile_instead_of_launch(results: list[tuple[str, str, float]]):
-    """A replacement for ``JITFunction.run``: compile for sm_90, record, do not launch."""
+    """A replacement for ``JITFunction.run``: compile for sm_90, record (the status carries the PTX
+    digest), do not launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -69,7 +94,7 @@ def _compile_instead_of_launch(results: list[tuple[str, str, float]]):
             compiled = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)  # fmt: skip
             assert "cubin" in compiled.asm, "no cubin produced"
-            results.append(("ok", label, time.perf_counter() - t0))
+            results.append((f"ok {ptx_digest(compiled.asm['ptx'])}", label, time.perf_counter() - t0))
         except Exception as exc:  # noqa: BLE001 - report every kernel, then fail at the end
             msg = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
             results.append(
@@ -165,7 +190,8 @@ def _fused_loss_launches(rnd) -> list[tuple[str, object]]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    show_digest = "--digest" in (sys.argv[1:] if argv is None else argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print(
             "run without TRITON_INTERPRET=1: the kernels must be compiled, not interpreted", file=sys.stderr
@@ -189,8 +215,11 @@ def main() -> int:
         if len(results) == n:
             results.append(("FAIL no kernel launched", desc, 0.0))
     for status, label, secs in results:
-        print(f"{status[:4]:4s} {secs:5.1f} s  {label}" + ("" if status == "ok" else f"\n     {status}"))
-    failed = [r for r in results if r[0] != "ok"]
+        ok = status.startswith("ok ")
+        digest = f"{status[3:]}  " if ok and show_digest else ""
+        head = "ok" if ok else status[:4]
+        print(f"{head:4s} {secs:5.1f} s  {digest}{label}" + ("" if ok else f"\n     {status}"))
+    failed = [r for r in results if not r[0].startswith("ok ")]
     print(f"{len(results) - len(failed)}/{len(results)} kernel launches compiled for sm_90 in "
           f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     return 1 if failed else 0
