@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from rlkernel._dispatch import interpreter_enabled
+from rlkernel.kernels._dot import dot, interpreted
 from rlkernel.kernels._launch import FastLauncher
 from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
@@ -140,14 +141,6 @@ def _strides4(t: torch.Tensor, packed: bool) -> tuple[int, int, int]:
 
 # ------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _operand(x, UPCAST: tl.constexpr):
-    """A dot operand: itself, or fp32 under the interpreter workaround (see ``_upcast_dots``)."""
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _seq_bounds(
     b,
     key_start_ptr,
@@ -200,7 +193,7 @@ def _attend_blocks(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Online softmax from a fresh state over the key blocks [lo, lo+BN), [lo+BN, lo+2BN), … below
     ``hi``, every block masked alike (keys ≥ ``len_k`` read zeros, keys after a row's query get −inf).
@@ -213,10 +206,8 @@ def _attend_blocks(
         keys = start + offs_n
         kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
         k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-        k = _operand(k, UPCAST)
         v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = _operand(v, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
         t = tl.where(keys[None, :] <= qpos[:, None], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(t, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: 2^(−inf) = 0
@@ -224,7 +215,7 @@ def _attend_blocks(
         p = tl.math.exp2(t - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(_operand(p.to(v_base.dtype.element_ty), UPCAST), v, acc, input_precision=INPUT_PRECISION)
+        acc = dot(p.to(v_base.dtype.element_ty), v, acc, INPUT_PRECISION, INTERPRETED)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -292,7 +283,7 @@ def _attn_fwd_kernel(
     HAS_KEY_START: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -320,14 +311,13 @@ def _attn_fwd_kernel(
             mask=row_ok[:, None] & mask_d[None, :],
             other=0.0,
         )
-        q = _operand(q, UPCAST)
         scale = tl.cast(qk_scale, tl.float32)
         last_row = tl.minimum(row0 + BLOCK_M, n_rows) - 1
         key_end = len_k - len_q + last_row // group + 1  # one past the last key any row of the tile sees
         # The tile's key blocks, anchored at ks, in order (one masked loop; see the module header).
         m_i, l_i, acc = _attend_blocks(
             q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, ks, key_end, len_k, scale,
-            BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST,
+            BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, INTERPRETED,
         )  # fmt: skip
         out, lse = _finish(m_i, l_i, acc)
         o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot
@@ -359,14 +349,6 @@ def _common(q, k, key_start, cu_seqlens_q, max_seqlen_q):
         n_seq, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         total_q = n_seq * seqlen_q
     return packed, n_seq, n_q_heads, n_kv_heads, head_dim, seqlen_q, seqlen_k, total_q
-
-
-def _upcast_dots(dtype: torch.dtype) -> bool:
-    # Workaround (2026-11-21, Triton 3.9 interpreter): tl.dot on bf16 tiles returns garbage in
-    # TRITON_INTERPRET=1 (its numpy emulation has no bf16 matmul), so under the interpreter bf16
-    # tiles are upcast to fp32 right after loading (P and dS are still rounded to bf16 first).
-    # Compiled kernels never take this branch.
-    return dtype == torch.bfloat16 and _INTERPRET
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -449,7 +431,7 @@ def attention_fwd(
                 "HAS_KEY_START": key_start is not None,
                 "IS_VARLEN": packed,
                 "INPUT_PRECISION": _precision(q.dtype),
-                "UPCAST": _upcast_dots(q.dtype),
+                "INTERPRETED": interpreted(q),
             },
             {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False},
         )

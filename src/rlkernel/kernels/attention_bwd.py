@@ -30,18 +30,17 @@ import triton
 import triton.language as tl
 
 from rlkernel._dispatch import interpreter_enabled
+from rlkernel.kernels._dot import dot, interpreted
 from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels.attention import (
     LOG2E,
     _block_d,
     _common,
     _device_guard,
-    _operand,
     _precision,
     _seq_bounds,
     _strides4,
     _unit_last,
-    _upcast_dots,
 )
 
 
@@ -116,7 +115,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_KEY_START: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """dK, dV of one key block of one kv head: Σ over the group's q heads (in order g = 0..G−1)
     and over the query blocks that see the block (in order), accumulated in fp32 registers."""
@@ -136,9 +135,7 @@ def _attn_bwd_dkdv_kernel(
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
         v_base = v_ptr + b * stride_vb + k_tok0 * stride_vt + hk * stride_vh
         k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-        k = _operand(k, UPCAST)
         v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = _operand(v, UPCAST)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         scale = tl.cast(qk_scale, tl.float32)
@@ -156,24 +153,18 @@ def _attn_bwd_dkdv_kernel(
                 q = tl.load(
                     q_base + qi[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0
                 )
-                q = _operand(q, UPCAST)
                 do = tl.load(
                     do_base + qi[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0
                 )
-                do = _operand(do, UPCAST)
                 lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
                 delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
-                s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_M]
+                s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
                 visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
                 p_t = tl.where(visible, tl.math.exp2(s_t * scale - lse[None, :]), 0.0)
-                dv = tl.dot(
-                    _operand(p_t.to(do_ptr.dtype.element_ty), UPCAST), do, dv, input_precision=INPUT_PRECISION
-                )
-                dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+                dv = dot(p_t.to(do_ptr.dtype.element_ty), do, dv, INPUT_PRECISION, INTERPRETED)
+                dp_t = dot(v, tl.trans(do), None, INPUT_PRECISION, INTERPRETED)
                 ds_t = p_t * (dp_t - delta[None, :])
-                dk = tl.dot(
-                    _operand(ds_t.to(q_ptr.dtype.element_ty), UPCAST), q, dk, input_precision=INPUT_PRECISION
-                )
+                dk = dot(ds_t.to(q_ptr.dtype.element_ty), q, dk, INPUT_PRECISION, INTERPRETED)
         dk = dk * sm_scale
         dk_base = dk_ptr + b * stride_dkb + k_tok0 * stride_dkt + hk * stride_dkh
         dv_base = dv_ptr + b * stride_dvb + k_tok0 * stride_dvt + hk * stride_dvh
@@ -231,7 +222,7 @@ def _attn_bwd_dq_kernel(
     HAS_KEY_START: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """dQ of one query block of one q head: Σ over its visible key blocks, in order."""
     pid_m = tl.program_id(0).to(tl.int64)
@@ -253,9 +244,7 @@ def _attn_bwd_dq_kernel(
         q_base = q_ptr + b * stride_qb + q_tok0 * stride_qt + hq * stride_qh
         do_base = do_ptr + b * stride_dob + q_tok0 * stride_dot + hq * stride_doh
         q = tl.load(q_base + qi[:, None] * stride_qt + offs_d[None, :], mask=ld, other=0.0)
-        q = _operand(q, UPCAST)
         do = tl.load(do_base + qi[:, None] * stride_dot + offs_d[None, :], mask=ld, other=0.0)
-        do = _operand(do, UPCAST)
         lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
         delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
         qpos = len_k - len_q + qi
@@ -269,17 +258,13 @@ def _attn_bwd_dq_kernel(
             keys = start + offs_n
             kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
             k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-            k = _operand(k, UPCAST)
             v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
-            v = _operand(v, UPCAST)
-            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+            s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
             visible = (keys[None, :] <= qpos[:, None]) & q_ok[:, None]
             p = tl.where(visible, tl.math.exp2(s * scale - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+            dp = dot(do, tl.trans(v), None, INPUT_PRECISION, INTERPRETED)
             ds = p * (dp - delta[:, None])
-            dq = tl.dot(
-                _operand(ds.to(k_ptr.dtype.element_ty), UPCAST), k, dq, input_precision=INPUT_PRECISION
-            )
+            dq = dot(ds.to(k_ptr.dtype.element_ty), k, dq, INPUT_PRECISION, INTERPRETED)
         dq = dq * sm_scale
         dq_base = dq_ptr + b * stride_dqb + q_tok0 * stride_dqt + hq * stride_dqh
         tl.store(
@@ -328,7 +313,7 @@ def attention_bwd(
         HAS_KEY_START=key_start is not None,
         IS_VARLEN=packed,
         INPUT_PRECISION=_precision(q.dtype),
-        UPCAST=_upcast_dots(q.dtype),
+        INTERPRETED=interpreted(q),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=FP_FUSION,

@@ -68,6 +68,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from rlkernel.kernels._dot import dot, interpreted
 from rlkernel.kernels._launch import FP_FUSION, FastLauncher, num_sms
 from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
@@ -315,32 +316,7 @@ def describe_launch(m: int, n: int, k: int, dtype: torch.dtype, mode: str | None
     }
 
 
-def _interpret_upcast(a: torch.Tensor) -> bool:
-    # The CPU interpreter's tl.dot gives garbage for 16-bit float tiles (triton 3.9, 2026-11-21):
-    # there, and only there, the tiles are upcast to fp32 and multiplied by ``_interpreted_dot``
-    # (a BLOCK_K-independent K order). Compiled kernels never take it.
-    return a.is_cpu and a.dtype is not torch.float32
-
-
 # --------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _interpreted_dot(a, b, acc):
-    """CPU interpreter only (16-bit inputs, upcast to fp32): ``acc + a @ b`` as a chain of k16
-    steps in increasing k, ``acc = acc + a[:, 16c:16c+16] @ b[16c:16c+16, :]``, as the tensor cores
-    run it for every BLOCK_K. The interpreter's ``tl.dot`` on a whole tile is one numpy matmul whose
-    rounding points change with the tile's K, so configurations of different BLOCK_K would differ
-    here although they agree on the GPU. (The 16-wide slices are taken by masked sums: exact.)"""
-    n_chunks: tl.constexpr = a.shape[1] // 16
-    a3 = tl.reshape(a, (a.shape[0], n_chunks, 16))
-    b3 = tl.reshape(b, (n_chunks, 16, b.shape[1]))
-    cc = tl.arange(0, n_chunks)
-    for c in tl.static_range(n_chunks):
-        a16 = tl.sum(tl.where(cc[None, :, None] == c, a3, 0.0), axis=1)
-        b16 = tl.sum(tl.where(cc[:, None, None] == c, b3, 0.0), axis=0)
-        acc = tl.dot(a16, b16, acc, input_precision="ieee")
-    return acc
-
-
 @triton.jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped tile order: ``GROUP_M`` consecutive row-tiles sweep the column-tiles together, so a
@@ -383,7 +359,7 @@ def _matmul_kernel(
     INPUT_PRECISION: tl.constexpr,
     HINT_M: tl.constexpr,
     HINT_N: tl.constexpr,
-    INTERPRET_UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """One output tile per program. Rows/columns beyond M/N read row/column 0 (in bounds, so the
     loads need no M/N mask) and are never stored; K tails are zero-filled (adds exact zeros)."""
@@ -415,10 +391,7 @@ def _matmul_kernel(
             a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0.0)
         # The K-reduction order of every output element: this one dot per BLOCK_K, in increasing k.
-        if INTERPRET_UPCAST:
-            acc = _interpreted_dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = dot(a, b, acc, INPUT_PRECISION, INTERPRETED)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -451,7 +424,7 @@ def _matmul_tma_kernel(
     HAS_BIAS: tl.constexpr,
     FLATTEN: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    INTERPRET_UPCAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Persistent: program p computes tiles p, p + num_programs, … in grouped order. TMA loads
     zero-fill out-of-bounds rows and K tails, TMA stores clip them. ``B_NK``: ``b_desc`` describes
@@ -474,10 +447,7 @@ def _matmul_tma_kernel(
                 b = b_desc.load([off_n, ki * BLOCK_K]).T
             else:
                 b = b_desc.load([ki * BLOCK_K, off_n])
-            if INTERPRET_UPCAST:
-                acc = _interpreted_dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = dot(a, b, acc, "tf32", INTERPRETED)  # 16-bit operands: the precision is unused
         if HAS_BIAS:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -551,7 +521,7 @@ def _pointer_gemm(out, so0, so1, a, sa0, sa1, b, sb0, sb1, bias, m, n, k, cfg: M
             "INPUT_PRECISION": "ieee" if a.dtype == torch.float32 else "tf32",
             "HINT_M": sa0 == 1 and m % 16 == 0,
             "HINT_N": sb1 == 1 and n % 16 == 0,
-            "INTERPRET_UPCAST": _interpret_upcast(a),
+            "INTERPRETED": interpreted(a),
         },
         {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
     )
@@ -636,7 +606,7 @@ def _launch_tma(a, b, out, bias, cfg: MatmulConfig) -> None:
         HAS_BIAS=bias is not None,
         FLATTEN=cfg.flatten,
         WARP_SPECIALIZE=cfg.warp_specialize,
-        INTERPRET_UPCAST=_interpret_upcast(a),
+        INTERPRETED=interpreted(a),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=FP_FUSION,
