@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make demo   set up a fresh machine (virtualenv in .venv) and run the main job, `rlkernel demo`
-#   make test   set up the same way and run the whole test suite and the strict docs build
+#   make test   set up the same way and run the whole test suite, the interpreter's tests again under
+#               other CPU instruction sets (scripts/test_cpu_variants.sh), and the strict docs build
 #
 # On CPU machines torch is pinned to the CPU build 2.13.0 (an unpinned torch pulls the multi-GB
 # CUDA build). On a GPU machine that already has torch, reuse it: make demo TORCH_SPEC= VENV_FLAGS=--system-site-packages
@@ -32,6 +33,7 @@ demo: setup-demo
 test: setup-dev
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	scripts/test_cpu_variants.sh $(BIN)/python
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 docs: setup-dev

@@ -101,7 +101,7 @@ def op_section(dev, dtype, n, sync) -> None:
     constexprs = {
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
         "NUM_STAGES": cfg.num_stages, "EVEN_K": True, "HAS_BIAS": False, "INPUT_PRECISION": "tf32",
-        "HINT_M": False, "HINT_N": False, "INTERPRET_UPCAST": dev.type == "cpu",
+        "HINT_M": False, "HINT_N": False, "INTERPRETED": dev.type == "cpu",
     }  # fmt: skip
     grid = (km._cdiv(B, cfg.block_m) * km._cdiv(H, cfg.block_n),)
     g = f"linear [{B},{H}]x[{H},{H}]"

@@ -78,3 +78,14 @@ def test_the_check_fails_on_a_gpu_only_compile_error(tmp_path):
     )
     proc = _run([str(script)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_ptx_digest_ignores_debug_records_but_not_code():
+    from rlkernel.kernels._sm90_compile import ptx_digest
+
+    code = "\t.visible .entry k(\n\t.param .u64 p\n)\n{\n\tld.global.f32 %f1, [%rd1];\n\tret;\n}\n"
+    debug = "\t.section\t.debug_info\n\t{\n.b32 178\n.b64 $L__tmp1\n\t}\n"
+    one = code.replace("\tld.", "\t.loc\t1 10 3\n$L__tmp1:\n\tld.") + debug
+    two = code.replace("\tld.", "\t.loc\t1 42 7\n$L__tmp5:\n\tld.") + debug.replace("178", "203")
+    assert ptx_digest(one) == ptx_digest(two)  # moved source lines, other debug records
+    assert ptx_digest(one) != ptx_digest(one.replace("f32 %f1", "f32 %f2"))  # a code change shows

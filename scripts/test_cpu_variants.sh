@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Re-run the tests that execute Triton kernels in the CPU interpreter (and the CPU reference paths)
+# with the math libraries forced onto other instruction sets, as on another CI machine.
+#
+#   scripts/test_cpu_variants.sh PYTHON [pytest args...]      (make test calls it)
+#
+# Why: CI runs on whatever x86 CPU it gets (Intel or AMD, AVX-512 or not). numpy's OpenBLAS, torch's
+# MKL and oneDNN pick their kernels, and so their reduction orders, by CPU model; a test whose bits
+# depend on that passes on one machine and fails on the next (2026-11-24: 14 invariance tests failed
+# on an AMD EPYC without AVX-512 that had passed where they landed). Each variant below pins the
+# three libraries to one instruction-set level this CPU supports:
+#   OPENBLAS_CORETYPE       numpy's OpenBLAS kernel family (Haswell = AVX2, Sandybridge = AVX)
+#   MKL_ENABLE_INSTRUCTIONS torch's MKL (AVX2, AVX)
+#   ONEDNN_MAX_CPU_ISA      torch's oneDNN (AVX2, AVX)
+# Variants the CPU cannot run (no AVX2, say) are skipped with a line saying so.
+set -euo pipefail
+
+python=${1:?usage: scripts/test_cpu_variants.sh PYTHON [pytest args...]}
+shift
+tests=(tests/invariant tests/kernels/test_dot.py tests/ops)
+flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+
+run_variant() {  # name openblas mkl onednn required-cpu-flag
+    local name=$1 openblas=$2 mkl=$3 onednn=$4 need=$5
+    if [[ "$flags" != *" $need "* ]]; then
+        echo "cpu variant $name: skipped (this CPU has no $need)"
+        return 0
+    fi
+    echo "cpu variant $name: OPENBLAS_CORETYPE=$openblas MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$onednn"
+    OPENBLAS_CORETYPE=$openblas MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$onednn \
+        "$python" -m pytest -q -p no:cacheprovider "$@" "${tests[@]}"
+}
+
+run_variant avx2 Haswell AVX2 AVX2 avx2 "$@"
+run_variant avx Sandybridge AVX AVX avx "$@"
