@@ -8,10 +8,11 @@
 # MKL and oneDNN pick their kernels, and so their reduction orders, by CPU model; a test whose bits
 # depend on that passes on one machine and fails on the next (2026-11-24: 14 invariance tests failed
 # on an AMD EPYC without AVX-512 that had passed where they landed). Each variant below pins the
-# three libraries to one instruction-set level this CPU supports:
+# libraries to one instruction-set level this CPU supports:
 #   OPENBLAS_CORETYPE       numpy's OpenBLAS kernel family (Haswell = AVX2, Sandybridge = AVX)
 #   MKL_ENABLE_INSTRUCTIONS torch's MKL (AVX2, AVX)
 #   ONEDNN_MAX_CPU_ISA      torch's oneDNN (AVX2, AVX)
+#   ATEN_CPU_CAPABILITY     torch's own vectorized kernels (avx2, default = no explicit SIMD)
 # Variants the CPU cannot run (no AVX2, say) are skipped with a line saying so.
 set -euo pipefail
 
@@ -20,16 +21,19 @@ shift
 tests=(tests/invariant tests/kernels/test_dot.py tests/ops)
 flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
 
-run_variant() {  # name openblas mkl onednn required-cpu-flag
-    local name=$1 openblas=$2 mkl=$3 onednn=$4 need=$5
+run_variant() {  # name openblas mkl onednn aten required-cpu-flag [pytest args]
+    local name=$1 openblas=$2 mkl=$3 onednn=$4 aten=$5 need=$6
+    shift 6
     if [[ "$flags" != *" $need "* ]]; then
         echo "cpu variant $name: skipped (this CPU has no $need)"
         return 0
     fi
-    echo "cpu variant $name: OPENBLAS_CORETYPE=$openblas MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$onednn"
-    OPENBLAS_CORETYPE=$openblas MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$onednn \
+    local env=(OPENBLAS_CORETYPE="$openblas" MKL_ENABLE_INSTRUCTIONS="$mkl" ONEDNN_MAX_CPU_ISA="$onednn"
+               ATEN_CPU_CAPABILITY="$aten")
+    echo "cpu variant $name: ${env[*]}"
+    env "${env[@]}" \
         "$python" -m pytest -q -p no:cacheprovider "$@" "${tests[@]}"
 }
 
-run_variant avx2 Haswell AVX2 AVX2 avx2 "$@"
-run_variant avx Sandybridge AVX AVX avx "$@"
+run_variant avx2 Haswell AVX2 AVX2 avx2 avx2 "$@"
+run_variant avx Sandybridge AVX AVX default avx "$@"

@@ -123,6 +123,18 @@ def test_every_preset_trains(preset):
     assert info["kl_metric"] == ("kl_ref" if PRESETS[preset].get("kl_coef", 0) > 0 else "approx_kl")
 
 
+def test_a_seed_repeats_bitwise_on_one_machine():
+    """Same seed, same machine and thread count: every step's numbers repeat exactly (what the
+    "Reproducibility" section of docs/guides/demo.md promises; other CPUs may differ)."""
+    pytest.importorskip("transformers")
+    from rlkernel.demo.grpo import DemoConfig, train
+
+    cfg = DemoConfig(steps=3, batch_prompts=2, group_size=4, hidden_size=32, seed=5)
+    runs = [train(cfg)[0] for _ in range(2)]
+    for key in ("reward_mean", "loss", "clip_frac", "kl", "entropy_mean", "max_abs_logp_diff"):
+        assert [r[key] for r in runs[0]] == [r[key] for r in runs[1]], key
+
+
 def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
@@ -139,6 +151,8 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
     for key in ("reward_mean", "loss", "clip_frac", "kl", "entropy_mean", "max_abs_logp_diff", "elapsed_s"):
         assert key in steps[0]
     assert record["config"]["preset"] == "grpo" and record["device"]["device"] == "cpu"
+    assert record["device"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert record["device"]["torch_threads"] == torch.get_num_threads()
     assert {"torch", "transformers", "rlkernel"} <= set(record["versions"])
     summary = record["summary"]
     k = summary["window_steps"]

@@ -214,11 +214,28 @@ def _device_info(device: str) -> dict[str, object]:
         backend = _dispatch.resolve_backend(dev, has_kernel=True)
     except ValueError as e:
         backend = f"error: {e}"
+    info: dict[str, object] = {"device": device}
     if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
+        info["name"] = torch.cuda.get_device_name(dev)
     else:
-        name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads"
-    return {"device": device, "name": name, "rlkernel_backend": backend}
+        info["name"] = f"{_cpu_model()} CPU, {torch.get_num_threads()} torch threads"
+        # What a CPU run's bits depend on (docs/guides/demo.md, "Reproducibility"): ATen's
+        # vectorized kernels for this capability, and the thread count.
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        info["torch_threads"] = torch.get_num_threads()
+    info["rlkernel_backend"] = backend
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _window(n: int) -> int:
