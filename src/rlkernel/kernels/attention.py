@@ -158,10 +158,11 @@ def _seq_bounds(
     HAS_KEY_START: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-    """(q_row0, q_tok0, len_q, k_tok0, len_k, key_start) of sequence ``b``: its first row in the
-    flat [total query rows] space of the LSE/delta, its first query and key token in the packed
-    tensors (0 for the padded form, addressed through the batch stride instead), its lengths and its
-    first valid key."""
+    """(q_row0, q_tok0, len_q, k_tok0, len_k, key_start, key_start_ok) of sequence ``b``: its first
+    row in the flat [total query rows] space of the LSE/delta, its first query and key token in the
+    packed tensors (0 for the padded form, addressed through the batch stride instead), its lengths,
+    its first valid key clamped to [0, len_k] (so that no key outside the sequence is ever read, even
+    for a ``key_start`` the caller did not validate) and whether it was in range unclamped."""
     if IS_VARLEN:
         q_tok0 = tl.load(cu_q_ptr + b).to(tl.int64)
         len_q = (tl.load(cu_q_ptr + b + 1) - q_tok0).to(tl.int32)
@@ -169,6 +170,7 @@ def _seq_bounds(
         len_k = (tl.load(cu_k_ptr + b + 1) - k_tok0).to(tl.int32)
         q_row0 = q_tok0
         ks = 0
+        ks_ok = True
     else:
         q_row0 = b * seqlen_q
         q_tok0 = b * 0
@@ -176,10 +178,13 @@ def _seq_bounds(
         len_q = seqlen_q
         len_k = seqlen_k
         if HAS_KEY_START:
-            ks = tl.load(key_start_ptr + b).to(tl.int32)
+            ks_given = tl.load(key_start_ptr + b).to(tl.int64)
+            ks_ok = (ks_given >= 0) & (ks_given <= len_k)
+            ks = tl.minimum(tl.maximum(ks_given, 0), len_k).to(tl.int32)
         else:
             ks = 0
-    return q_row0, q_tok0, len_q, k_tok0, len_k, ks
+            ks_ok = True
+    return q_row0, q_tok0, len_q, k_tok0, len_k, ks, ks_ok
 
 
 @triton.jit
@@ -298,7 +303,7 @@ def _attn_fwd_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks, ks_ok = _seq_bounds(
         b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
     )
     n_rows = len_q * group
@@ -330,6 +335,9 @@ def _attn_fwd_kernel(
             BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, UPCAST,
         )  # fmt: skip
         out, lse = _finish(m_i, l_i, acc)
+        if HAS_KEY_START:  # a key_start outside [0, Tk] (validate=False): NaN rows, not a guess
+            out = tl.where(ks_ok, out, float("nan"))
+            lse = tl.where(ks_ok, lse, float("nan"))
         o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot
         _store_rows(
             o_base,

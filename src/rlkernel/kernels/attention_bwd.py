@@ -124,7 +124,7 @@ def _attn_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks, _ = _seq_bounds(
         b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
     )
     start = ks + pid_n * BLOCK_N
@@ -240,7 +240,7 @@ def _attn_bwd_dq_kernel(
     b = pid_bh // n_q_heads
     hq = pid_bh % n_q_heads
     hk = hq // group
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks, _ = _seq_bounds(
         b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
     )
     m0 = pid_m * BLOCK_M

@@ -158,6 +158,12 @@ def _one_sequence(
     return out, lse2
 
 
+def _nan_sequence(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse2) of a sequence whose ``key_start`` is out of range: NaN (kept in q's graph)."""
+    out = q.to(acc_dtype(q)) * math.nan
+    return out, out[..., 0]
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -190,7 +196,12 @@ def attention_with_lse(
         lse = torch.cat(lses) if lses else q.new_zeros(q.shape[:-1], dtype=dt)
         return out.to(q.dtype), lse
     starts = [0] * q.shape[0] if key_start is None else [int(s) for s in key_start.tolist()]
-    results = [_one_sequence(q[b], k[b], v[b], starts[b], scale, block_n) for b in range(q.shape[0])]
+    results = [
+        _one_sequence(q[b], k[b], v[b], starts[b], scale, block_n)
+        if 0 <= starts[b] <= k.shape[1]
+        else _nan_sequence(q[b])  # key_start outside [0, Tk] (unvalidated): NaN rows, as the kernel
+        for b in range(q.shape[0])
+    ]
     if not results:
         return q.clone(), q.new_zeros(q.shape[:-1], dtype=acc_dtype(q))
     out = torch.stack([r[0] for r in results]).to(q.dtype)
@@ -214,7 +225,9 @@ def attention(
         q: ``[B, Tq, Hq, D]`` (padded) or ``[Nq, Hq, D]`` (packed).
         k, v: ``[B, Tk, Hkv, D]`` or ``[Nk, Hkv, D]``; Hq a multiple of Hkv; Tk ≥ Tq.
         scale: softmax scale, default ``D ** -0.5``.
-        key_start: ``[B]`` int, first valid key of each sequence (left padding); default 0.
+        key_start: ``[B]`` int, first valid key of each sequence (left padding), in ``[0, Tk]``;
+            default 0. A sequence whose entry is outside that range (not validated here) gets NaN
+            rows, as in the kernel.
         cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` cumulative lengths (packed form, both or neither).
         block_n: keys per block (the kernel's BLOCK_N; it fixes the summation order); default
             ``BLOCK_N``.
