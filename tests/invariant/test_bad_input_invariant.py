@@ -32,6 +32,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
 ]
 
 
@@ -140,3 +141,132 @@ def test_attention_unvalidated_key_start_gives_nan_rows_not_out_of_bounds_reads(
     assert bool(out[0].isnan().all()) and bool(out[2].isnan().all())
     want = attention(q[1:2], k[1:2], v[1:2], key_start=starts[1:2])
     assert torch.equal(out[1], want[0])
+
+
+# ------------------------------------------------------------- attention: NaN/Inf stay where seen
+def right_padded(lens, total, fill, hq=2, hkv=1, d=16, seed=20):
+    """q, k, v [B, total, H, D]: random real rows, then ``fill`` (a number, or "random") as padding."""
+    out = []
+    for j, h in enumerate((hq, hkv, hkv)):
+        x = randn(len(lens), total, h, d, seed=seed + j)
+        for b, n in enumerate(lens):
+            if fill != "random":
+                x[b, n:] = fill
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
+def test_attention_non_finite_right_padding_does_not_reach_real_rows(backend, fill):
+    """Padding after a sequence's end (future keys for every real row) may hold anything: a KV
+    buffer's uninitialised tail, NaN activations. The real rows must be bitwise what they are with
+    finite padding; the padding rows, which see it, are not finite (not hidden)."""
+    lens, total = [5, 19, 12], 21
+    q, k, v = right_padded(lens, total, "random")
+    qn, kn, vn = right_padded(lens, total, fill)
+    want = attention(q, k, v)
+    got = attention(qn, kn, vn)
+    for b, n in enumerate(lens):
+        assert torch.equal(got[b, :n], want[b, :n])
+        assert not bool(got[b, n:].isfinite().any())
+    got_v = attention(q, k, vn)  # non-finite values only: the padding rows see them
+    for b, n in enumerate(lens):
+        assert torch.equal(got_v[b, :n], want[b, :n])
+        assert not bool(got_v[b, n:].isfinite().any())
+
+
+def test_attention_nan_in_a_later_sequence_of_a_pack_stays_there(backend):
+    q, k, v = packed_qkv(n_q=14, n_k=14, seed=30)
+    c = cu(0, 6, 14)
+    want = attention(q, k, v, cu_seqlens_q=c, cu_seqlens_k=c)
+    k2, v2 = k.clone(), v.clone()
+    k2[9], v2[11] = float("nan"), float("inf")
+    got = attention(q, k2, v2, cu_seqlens_q=c, cu_seqlens_k=c)
+    assert torch.equal(got[:9], want[:9])  # sequence 0, and sequence 1 before its first bad key
+    assert bool(got[9:].isnan().all())  # the NaN key: every score of rows 9.. is NaN
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_attention_nan_reaches_exactly_the_rows_that_see_it(backend, where):
+    """A NaN at position 9 of one sequence: rows before 9 exact, rows from 9 on NaN (a NaN score
+    must not be taken for a row that sees no key and output 0), the other sequence untouched. A NaN
+    query is its own row's alone."""
+    q, k, v = randn(2, 20, 2, 16, seed=40), randn(2, 20, 1, 16, seed=41), randn(2, 20, 1, 16, seed=42)
+    want = attention(q, k, v)
+    x = {"q": q, "k": k, "v": v}
+    x[where] = x[where].clone()
+    x[where][0, 9, 0, 3] = float("nan")
+    got = attention(x["q"], x["k"], x["v"])
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0, :9], want[0, :9])
+    if where == "q":
+        assert bool(got[0, 9, 0].isnan().all())
+        assert torch.equal(got[0, 9, 1], want[0, 9, 1]) and torch.equal(got[0, 10:], want[0, 10:])
+    else:  # both q heads read kv head 0; a row that sees a NaN key or value is NaN as a whole
+        assert bool(got[0, 9:].isnan().all())
+
+
+def test_attention_left_padding_garbage_is_ignored_forward_and_backward(backend):
+    """NaN in every padding position before key_start (queries, keys, values and the output
+    gradient of the padding rows): the real rows' outputs and all gradients are those of random
+    finite padding; padding rows output 0 and get zero gradients."""
+    starts = torch.tensor([7, 0, 13], device=DEVICE)
+    b, t = 3, 16
+    base = [randn(b, t, 2, 16, seed=50), randn(b, t, 1, 16, seed=51), randn(b, t, 1, 16, seed=52)]
+    g = randn(b, t, 2, 16, seed=53)
+    bad = [x.clone() for x in base]
+    g_bad = g.clone()
+    for i, s in enumerate(starts.tolist()):
+        for x in (*bad, g_bad):
+            x[i, :s] = float("nan")
+
+    def run(tensors, grad):
+        leaves = [x.clone().requires_grad_(True) for x in tensors]
+        out = attention(*leaves, key_start=starts)
+        out.backward(grad)
+        return out.detach(), [x.grad for x in leaves]
+
+    out, grads = run(base, g)
+    out_bad, grads_bad = run(bad, g_bad)
+    for i, s in enumerate(starts.tolist()):
+        assert torch.equal(out_bad[i, s:], out[i, s:])
+        assert torch.equal(out_bad[i, :s], torch.zeros_like(out_bad[i, :s]))
+        for a, w in zip(grads_bad, grads, strict=True):
+            assert torch.equal(a[i, s:], w[i, s:])
+            assert torch.equal(a[i, :s], torch.zeros_like(a[i, :s]))
+
+
+def _grads(q, k, v, g, **kw):
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    attention(*leaves, **kw).backward(g)
+    return [x.grad for x in leaves]
+
+
+def test_attention_backward_future_nan_key_does_not_reach_earlier_rows(backend):
+    """NaN in the key and value at position 11 of a sequence: dq of rows 0..10, which do not see
+    it, is exactly that of finite inputs; the rows that see it get NaN, not a hidden 0."""
+    t = 20
+    q, k, v = randn(1, t, 2, 16, seed=60), randn(1, t, 1, 16, seed=61), randn(1, t, 1, 16, seed=62)
+    g = randn(1, t, 2, 16, seed=63)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 11, 0, 5], v2[0, 11, 0, 2] = float("nan"), float("nan")
+    dq = _grads(q, k, v, g)[0]
+    dq2 = _grads(q, k2, v2, g)[0]
+    assert torch.equal(dq2[0, :11], dq[0, :11])
+    assert bool(dq2[0, 11:].isnan().any(-1).all())
+
+
+def test_attention_backward_nan_query_row_does_not_reach_later_keys(backend):
+    """NaN in the query and the output gradient of row 5: no other row's dq changes, and keys 6..19
+    (which row 5 does not see) get exactly the dk/dv of finite inputs."""
+    t = 20
+    q, k, v = randn(1, t, 2, 16, seed=70), randn(1, t, 1, 16, seed=71), randn(1, t, 1, 16, seed=72)
+    g = randn(1, t, 2, 16, seed=73)
+    q2, g2 = q.clone(), g.clone()
+    q2[0, 5, 1, 7], g2[0, 5, 0, 4] = float("nan"), float("nan")
+    dq, dk, dv = _grads(q, k, v, g)
+    dq2, dk2, dv2 = _grads(q2, k, v, g2)
+    others = [i for i in range(t) if i != 5]
+    assert torch.equal(dq2[0, others], dq[0, others])
+    assert torch.equal(dk2[0, 6:], dk[0, 6:]) and torch.equal(dv2[0, 6:], dv[0, 6:])
+    assert bool(dk2[0, :6].isnan().any()) and bool(dv2[0, :6].isnan().any())

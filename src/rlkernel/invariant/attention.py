@@ -21,10 +21,18 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
 * One online-softmax formula (base 2, c = scale·log2 e as one fp32 constant, fp32 accumulation),
   one kernel for prefill and decode, one launch configuration (BLOCK_M, BLOCK_N, num_warps) per
   (head_dim, dtype) whatever the shapes: a decode step is the same kernel with only the rows of its
-  last query active. Every key block is masked with the same ``where`` (a single loop, no separate
-  unmasked fast path: a different instruction sequence could contract the scale into an FMA
-  differently). A row's blocks past its diagonal are fully masked and are exact no-ops
-  (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
+  last query active. Every key block is masked with the same ``where`` and computed by the same
+  arithmetic (no separate unmasked fast path: a different instruction sequence could contract the
+  scale into an FMA differently). A row's blocks past its diagonal are fully masked and are exact
+  no-ops (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
+* Non-finite inputs stay in the rows that see them: a row that sees a NaN/±Inf in its query or in a
+  key or value it attends to is NaN; keys and values it does not see (later positions, right
+  padding, keys before ``key_start``, other packed sequences) never change its bits, whatever they
+  hold (an uninitialised cache tail, NaN activations of padding tokens). P·V is a matrix product,
+  where a hidden key's P = 0 would still meet its value (0·NaN = NaN), so the blocks of a tile's
+  diagonal, the only ones some of its rows do not see whole, read V's non-finite entries as 0 and
+  give the rows that do see one a NaN P (a second loop over those one or two blocks, same arithmetic:
+  finite inputs keep their bits). The backward treats Q, K and dO the same way.
 * Rows are (query, q-head-of-the-GQA-group) pairs, so a kv head's K/V block is loaded once for its
   whole group; a row's result does not depend on which tile row it occupies (each MMA output element
   is accumulated by the same instruction sequence). ``scripts/gpu_check_attention.py`` checks this
@@ -43,6 +51,12 @@ from the saved base-2 LSE. No atomics. Kernels: ``rlkernel.kernels.attention`` (
 
 Caveats:
     * head_dim ≤ 256. fp64 inputs run the reference (no kernel).
+    * The diagonal blocks' non-finite handling (above) costs an elementwise pass over their V
+      tile (forward; Q and dO, or K, in the backward): 1.6-2.4x the instructions of a plain block
+      for the one or two such blocks per tile, and the plain blocks' loop keeps its floating-point
+      instructions but gained ~5% integer moves (static counts of the sm_90 code, bf16, head_dim
+      128, 2026-11-24). Not yet timed or bit-checked on a GPU: ``scripts/gpu_check_attention.py``
+      does both.
     * Decode at small batch runs one program per (sequence, kv head) over the whole cache: little
       parallelism (B=1, cache 4096: 0.20 ms vs SDPA's 0.07 ms on the H100).
     * The packed form validates ``cu_seqlens`` (and ``max_seqlen_q``) on one host copy of both (one
@@ -304,7 +318,10 @@ def attention(
             ``cu_seqlens``/``max_seqlen_q`` are always checked.
 
     Returns:
-        Tensor shaped like ``q`` in ``q.dtype``. Differentiable (deterministic backward).
+        Tensor shaped like ``q`` in ``q.dtype``. Differentiable (deterministic backward). A row that
+        sees a NaN/±Inf in its own query or in a key or value it attends to is NaN (the whole row);
+        keys and values it does not see (later positions, padding, other sequences) never change
+        it, whatever they hold. Likewise in the backward.
 
     Raises:
         TypeError/ValueError naming the argument on a wrong type, dtype, shape or device, and
