@@ -270,3 +270,180 @@ def test_attention_backward_nan_query_row_does_not_reach_later_keys(backend):
     assert torch.equal(dq2[0, others], dq[0, others])
     assert torch.equal(dk2[0, 6:], dk[0, 6:]) and torch.equal(dv2[0, 6:], dv[0, 6:])
     assert bool(dk2[0, :6].isnan().any()) and bool(dv2[0, :6].isnan().any())
+
+
+# ------------------------------------------------------------------------ patch_hf_model: modules
+@pytest.fixture(scope="module")
+def one_thread():
+    n = torch.get_num_threads()  # as tests/invariant/test_patch.py: the CPU path is many tiny ops
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A randomly initialised 1-layer Qwen3 or Llama model (CPU, fp32, SDPA)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = (
+        (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    cfg = config_cls(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, attn_implementation="sdpa", tie_word_embeddings=False,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval()
+
+
+def token_ids(seed=1):
+    return torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(seed))
+
+
+class DoublingLinear(torch.nn.Linear):
+    """An lm_head subclass with its own forward (stands for a quantized/adapter/scaled layer)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class TaggedLinear(torch.nn.Linear):
+    """A subclass that keeps nn.Linear.forward: safe to patch."""
+
+
+def logits(m, ids):
+    with torch.no_grad():
+        return m(input_ids=ids).logits
+
+
+def assert_original(m, ids, want):
+    from rlkernel.invariant.patch import is_patched
+
+    assert not any(is_patched(x) for x in m.modules())
+    assert not any(type(x).__name__.startswith("Invariant") for x in m.modules())
+    assert all(
+        getattr(x.config, "_attn_implementation", "sdpa") == "sdpa"
+        for x in m.modules()
+        if hasattr(x, "config")
+    )
+    assert torch.equal(logits(m, ids), want)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_patch_rejects_a_linear_subclass_with_its_own_forward(one_thread, arch):
+    m = tiny_model(arch)
+    m.lm_head.__class__ = DoublingLinear
+    ids = token_ids()
+    want = logits(m, ids)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot route lm_head \(.*DoublingLinear: a subclass of Linear with its own forward\)",
+    ):
+        inv.patch_hf_model(m)
+    assert_original(m, ids, want)  # nothing changed
+    assert type(m.lm_head) is DoublingLinear
+
+
+def test_patch_allow_unpatched_leaves_them_with_a_warning(one_thread):
+    m = tiny_model("qwen3")
+    m.lm_head.__class__ = DoublingLinear
+    ids = token_ids(2)
+    want = logits(m, ids)
+    with pytest.warns(UserWarning, match="left unpatched: lm_head"):
+        inv.patch_hf_model(m, allow_unpatched=True)
+    assert type(m.lm_head) is DoublingLinear  # its forward (the doubling) is kept
+    assert type(m.model.layers[0].mlp.down_proj).__name__ == "InvariantLinear"
+    torch.testing.assert_close(logits(m, ids), want, rtol=1e-4, atol=1e-5)  # not halved
+    inv.unpatch_hf_model(m)
+    assert_original(m, ids, want)
+
+
+def test_patch_takes_a_linear_subclass_that_keeps_the_stock_forward(one_thread):
+    m = tiny_model("llama")
+    m.lm_head.__class__ = TaggedLinear
+    ids = token_ids(3)
+    want = logits(m, ids)
+    inv.patch_hf_model(m)
+    assert isinstance(m.lm_head, TaggedLinear) and type(m.lm_head).__name__ == "InvariantTaggedLinear"
+    torch.testing.assert_close(logits(m, ids), want, rtol=1e-4, atol=1e-5)
+    inv.unpatch_hf_model(m)
+    assert type(m.lm_head) is TaggedLinear
+    assert torch.equal(logits(m, ids), want)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_patch_rejects_an_rms_norm_subclass_with_its_own_forward(one_thread, arch):
+    m = tiny_model(arch)
+    base = type(m.model.norm)
+    m.model.norm.__class__ = type(
+        "ShiftedNorm", (base,), {"forward": lambda self, x: base.forward(self, x) + 1}
+    )
+    with pytest.raises(
+        ValueError, match=r"cannot route model\.norm \(.*ShiftedNorm: a subclass of \w+RMSNorm"
+    ):
+        inv.patch_hf_model(m)
+
+
+def test_patch_rejects_a_forward_replaced_on_the_instance(one_thread):
+    """accelerate's hooks replace ``module.forward`` per instance: swapping the class would leave it
+    bypassing the patch, silently."""
+    m = tiny_model("qwen3")
+    proj = m.model.layers[0].self_attn.o_proj
+    proj.forward = torch.nn.Linear.forward.__get__(proj)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj .*replaced on the instance"):
+        inv.patch_hf_model(m)
+
+
+# ------------------------------------------------------------------------ patch_hf_model: nesting
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_nested_patch_is_rejected_and_unpatch_restores_bitwise(one_thread, arch):
+    m = tiny_model(arch)
+    ids = token_ids(4)
+    want = logits(m, ids)
+    # inner first, then the outer model: rejected, nothing changes; unpatching the outer model undoes
+    # the inner patch too
+    inv.patch_hf_model(m.model)
+    inner = logits(m, ids)
+    with pytest.raises(ValueError, match=r"model.* already patched, by patch_hf_model on a submodule"):
+        inv.patch_hf_model(m)
+    assert torch.equal(logits(m, ids), inner)
+    inv.unpatch_hf_model(m)
+    assert_original(m, ids, want)
+    # outer first, then the inner model: rejected; unpatching the inner one is refused, the outer one
+    # restores everything
+    inv.patch_hf_model(m)
+    outer = logits(m, ids)
+    with pytest.raises(ValueError, match="already patched"):
+        inv.patch_hf_model(m.model)
+    with pytest.raises(ValueError, match="unpatch that model instead"):
+        inv.unpatch_hf_model(m.model)
+    assert torch.equal(logits(m, ids), outer)
+    inv.unpatch_hf_model(m)
+    assert_original(m, ids, want)
+    # the same level twice, then unpatch twice; inner patch undone at its own level
+    for target in (m, m.model):
+        inv.patch_hf_model(target)
+        inv.patch_hf_model(target)
+        inv.unpatch_hf_model(target)
+        inv.unpatch_hf_model(target)
+        assert_original(m, ids, want)
+
+
+def test_patch_rejects_a_module_shared_with_a_patched_model(one_thread):
+    a, b = tiny_model("qwen3", seed=1), tiny_model("qwen3", seed=2)
+    b.lm_head = a.lm_head  # one module object in two models: unpatching one would unpatch the other
+    ids = token_ids(5)
+    want_b = logits(b, ids)
+    inv.patch_hf_model(a)
+    with pytest.raises(ValueError, match="lm_head is already patched"):
+        inv.patch_hf_model(b)
+    inv.unpatch_hf_model(a)
+    assert_original(b, ids, want_b)
+
+
+def test_patch_and_unpatch_reject_what_is_not_a_supported_model():
+    with pytest.raises(TypeError, match="patch_hf_model: model must be one of"):
+        inv.patch_hf_model(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="unpatch_hf_model: model must be one of"):
+        inv.unpatch_hf_model("model")
