@@ -447,3 +447,42 @@ def test_patch_and_unpatch_reject_what_is_not_a_supported_model():
         inv.patch_hf_model(torch.nn.Linear(4, 4))
     with pytest.raises(TypeError, match="unpatch_hf_model: model must be one of"):
         inv.unpatch_hf_model("model")
+
+
+# ---------------------------------------------------------------------- linear, matmul, rms_norm
+def test_linear_and_matmul_reject_an_empty_contraction(backend):
+    """K = 0 used to crash in a reshape (RuntimeError) on both backends; rms_norm already rejects
+    its H = 0 the same way."""
+    x, w, b = randn(3, 0), randn(4, 0, seed=1), randn(4, seed=2)
+    with pytest.raises(ValueError, match=r"x must have a contraction dimension K = x\.shape\[-1\] >= 1"):
+        inv.linear(x, w, b)
+    with pytest.raises(ValueError, match=r"a must have a contraction dimension K = a\.shape\[-1\] >= 1"):
+        inv.matmul(x, w.t())
+    with pytest.raises(ValueError, match="x must have a hidden dimension >= 1"):
+        inv.rms_norm(x, randn(0), eps=1e-6)
+
+
+def test_linear_matmul_rms_norm_reject_mismatched_arguments(backend):
+    x, w = randn(3, 8), randn(4, 8, seed=1)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x.shape\[-1\] = 8"):
+        inv.linear(x, w[:, :5])
+    with pytest.raises(TypeError, match="b dtype torch.float64 must match a dtype torch.float32"):
+        inv.matmul(x, w.t().double())
+    with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
+        inv.rms_norm(x, randn(5), eps=1e-6)
+    for eps in (0.0, -1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+            inv.rms_norm(x, randn(8), eps=eps)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_linear_matmul_rms_norm_propagate_non_finite_rows_only(backend, value):
+    """A NaN/Inf in one row of x makes that row's output non-finite (not hidden) and leaves the other
+    rows bitwise unchanged."""
+    x, w, b, nw = randn(5, 16, seed=3), randn(8, 16, seed=4), randn(8, seed=5), randn(16, seed=6)
+    bad = x.clone()
+    bad[2, 3] = value
+    for fn in (lambda t: inv.linear(t, w, b), lambda t: inv.matmul(t, w.t()), lambda t: inv.rms_norm(t, nw)):
+        want, got = fn(x), fn(bad)
+        assert not bool(got[2].isfinite().all())
+        assert torch.equal(got[[0, 1, 3, 4]], want[[0, 1, 3, 4]])
