@@ -124,19 +124,32 @@ def token_ids_in_range(name: str, ids: torch.Tensor, vocab_size: int, ignore_ind
 
 def cu_seqlens_tensor(name: str, cu: object, total: int) -> torch.Tensor:
     """Cumulative sequence lengths ``[S + 1]``: int, starts at 0, non-decreasing, ends at ``total``."""
+    cu = cu_seqlens_shape(name, cu)
+    cu_seqlens_values(name, cu.detach().to("cpu", torch.int64), total)
+    return cu
+
+
+def cu_seqlens_shape(name: str, cu: object) -> torch.Tensor:
+    """The checks of :func:`cu_seqlens_tensor` that need no host values: an int tensor ``[S + 1]``."""
     cu = int_tensor(name, cu)
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(
             f"{name} must be 1-D with at least one entry (cumulative lengths), got {describe(cu)}"
         )
-    cpu = cu.detach().to("cpu", torch.int64)
+    return cu
+
+
+def cu_seqlens_values(name: str, cpu: torch.Tensor, total: int) -> None:
+    """The value checks of :func:`cu_seqlens_tensor` on a host (CPU, int64) copy: starts at 0,
+    non-decreasing (every length >= 0), ends at ``total``."""
     if cpu[0].item() != 0:
         raise ValueError(f"{name} must start at 0, got {cpu[0].item()}")
     if cpu.numel() > 1 and bool((cpu[1:] < cpu[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing, got {cpu.tolist()[:16]}")
+        raise ValueError(
+            f"{name} must be non-decreasing (every sequence length >= 0), got {cpu.tolist()[:16]}"
+        )
     if cpu[-1].item() != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {cpu[-1].item()}")
-    return cu
 
 
 def finite_float(name: str, value: object) -> float:

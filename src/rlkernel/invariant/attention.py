@@ -21,10 +21,18 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
 * One online-softmax formula (base 2, c = scale·log2 e as one fp32 constant, fp32 accumulation),
   one kernel for prefill and decode, one launch configuration (BLOCK_M, BLOCK_N, num_warps) per
   (head_dim, dtype) whatever the shapes: a decode step is the same kernel with only the rows of its
-  last query active. Every key block is masked with the same ``where`` (a single loop, no separate
-  unmasked fast path: a different instruction sequence could contract the scale into an FMA
-  differently). A row's blocks past its diagonal are fully masked and are exact no-ops
-  (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
+  last query active. Every key block is masked with the same ``where`` and computed by the same
+  arithmetic (no separate unmasked fast path: a different instruction sequence could contract the
+  scale into an FMA differently). A row's blocks past its diagonal are fully masked and are exact
+  no-ops (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
+* Non-finite inputs stay in the rows that see them: a row that sees a NaN/±Inf in its query or in a
+  key or value it attends to is NaN; keys and values it does not see (later positions, right
+  padding, keys before ``key_start``, other packed sequences) never change its bits, whatever they
+  hold (an uninitialised cache tail, NaN activations of padding tokens). P·V is a matrix product,
+  where a hidden key's P = 0 would still meet its value (0·NaN = NaN), so the blocks of a tile's
+  diagonal, the only ones some of its rows do not see whole, read V's non-finite entries as 0 and
+  give the rows that do see one a NaN P (a second loop over those one or two blocks, same arithmetic:
+  finite inputs keep their bits). The backward treats Q, K and dO the same way.
 * Rows are (query, q-head-of-the-GQA-group) pairs, so a kv head's K/V block is loaded once for its
   whole group; a row's result does not depend on which tile row it occupies (each MMA output element
   is accumulated by the same instruction sequence). ``scripts/gpu_check_attention.py`` checks this
@@ -43,10 +51,18 @@ from the saved base-2 LSE. No atomics. Kernels: ``rlkernel.kernels.attention`` (
 
 Caveats:
     * head_dim ≤ 256. fp64 inputs run the reference (no kernel).
+    * The diagonal blocks' non-finite handling (above) costs an elementwise pass over their V
+      tile (forward; Q and dO, or K, in the backward): 1.6-2.4x the instructions of a plain block
+      for the one or two such blocks per tile, and the plain blocks' loop keeps its floating-point
+      instructions but gained ~5% integer moves (static counts of the sm_90 code, bf16, head_dim
+      128, 2026-11-24). Not yet timed or bit-checked on a GPU: ``scripts/gpu_check_attention.py``
+      does both.
     * Decode at small batch runs one program per (sequence, kv head) over the whole cache: little
       parallelism (B=1, cache 4096: 0.20 ms vs SDPA's 0.07 ms on the H100).
-    * The packed form validates ``cu_seqlens`` on the host (one sync per call); the padded form
-      needs none.
+    * The packed form validates ``cu_seqlens`` (and ``max_seqlen_q``) on one host copy of both (one
+      sync per call); the padded form needs none, except one to check ``key_start``'s range when
+      it is given on a GPU (``validate=False`` skips it; the HF adapter, whose key_start comes from
+      the mask, never pays it).
 """
 
 from __future__ import annotations
@@ -154,7 +170,15 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
+def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate=True):
+    """Check every argument; returns the ``max_seqlen_q`` the launch uses (the grid's query extent).
+
+    Index-like arguments are checked against the tensors they index, so that no kernel reads or
+    writes outside them and no output row is left unwritten: ``cu_seqlens_q/_k`` (start at 0,
+    non-decreasing, end at the packed lengths, as many keys as queries per sequence) and
+    ``max_seqlen_q`` (>= the longest query sequence) from one host copy of both cu_seqlens (the
+    packed form always needed their host values); ``key_start`` (in ``[0, Tk]``) on the host unless
+    ``validate`` is False or ``torch.compile`` is tracing (one sync when it lives on a GPU)."""
     q = check.float_tensor("q", q)
     k = check.float_tensor("k", k)
     v = check.float_tensor("v", v)
@@ -185,8 +209,10 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (packed form)")
         if key_start is not None:
             raise ValueError("key_start applies to the padded form only; packed sequences start at 0")
-        check.cu_seqlens_tensor("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-        check.cu_seqlens_tensor("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        if max_seqlen_q is not None:
+            check.integer("max_seqlen_q", max_seqlen_q)
+        check.cu_seqlens_shape("cu_seqlens_q", cu_seqlens_q)
+        check.cu_seqlens_shape("cu_seqlens_k", cu_seqlens_k)
         check.same_device("cu_seqlens_q", cu_seqlens_q, "q", q.device)
         check.same_device("cu_seqlens_k", cu_seqlens_k, "q", q.device)
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -194,15 +220,34 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
                 f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
                 f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
             )
-        len_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        len_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        if bool((len_q > len_k).any()):
-            raise ValueError("every sequence needs at least as many keys as queries (cu_seqlens_q/_k)")
+        # One device-to-host copy of both (the only host sync of the packed form's checks).
+        n = cu_seqlens_q.numel()
+        host = torch.cat([cu_seqlens_q.detach().to(torch.int64), cu_seqlens_k.detach().to(torch.int64)]).cpu()
+        cq, ck = host[:n], host[n:]
+        check.cu_seqlens_values("cu_seqlens_q", cq, q.shape[0])
+        check.cu_seqlens_values("cu_seqlens_k", ck, k.shape[0])
+        len_q, len_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+        short = (len_q > len_k).nonzero()
+        if short.numel():
+            i = int(short[0, 0])
+            raise ValueError(
+                f"every sequence needs at least as many keys as queries (cu_seqlens_q/_k): sequence {i} "
+                f"has {int(len_q[i])} queries and {int(len_k[i])} keys"
+            )
+        longest = int(len_q.max()) if len_q.numel() else 0
         if max_seqlen_q is None:
-            max_seqlen_q = int(len_q.max().item()) if len_q.numel() else 0
-        else:
-            check.integer("max_seqlen_q", max_seqlen_q)
+            max_seqlen_q = longest
+        elif max_seqlen_q < longest:
+            raise ValueError(
+                f"max_seqlen_q must be >= the longest query sequence of cu_seqlens_q ({longest}), "
+                f"got {max_seqlen_q}"
+            )
     else:
+        if max_seqlen_q is not None:
+            raise ValueError(
+                "max_seqlen_q applies to the packed form only (with cu_seqlens_q/_k); the padded form "
+                f"takes Tq from q, got max_seqlen_q={max_seqlen_q!r}"
+            )
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"k must have the batch size of q ({q.shape[0]}), got {check.describe(k)}")
         if k.shape[1] < q.shape[1]:
@@ -214,8 +259,21 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
             check.int_tensor("key_start", key_start)
             check.same_shape("key_start", key_start, "the batch of q", (q.shape[0],))
             check.same_device("key_start", key_start, "q", q.device)
+            if validate and key_start.numel() and not torch.compiler.is_compiling():
+                _check_key_start(key_start, k.shape[1])
         max_seqlen_q = q.shape[1]
     return max_seqlen_q
+
+
+def _check_key_start(key_start: torch.Tensor, tk: int) -> None:
+    """Every entry in ``[0, Tk]`` (one host sync when ``key_start`` lives on a GPU)."""
+    bad = (key_start < 0) | (key_start > tk)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"key_start must be in [0, Tk] = [0, {tk}] (the first valid key of each sequence), got "
+            f"{int(key_start[i])} at batch index {i}; pass validate=False only if you are sure it is valid"
+        )
 
 
 def attention(
@@ -228,6 +286,7 @@ def attention(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Causal grouped-query attention whose every row is bitwise batch-invariant.
 
@@ -243,20 +302,36 @@ def attention(
             (q head h reads kv head ``h // (Hq // Hkv)``); ``Tk >= Tq``; ``D <= 256``.
         scale: softmax scale; default ``D ** -0.5``.
         key_start: ``[B]`` integer tensor on q's device, the first valid key of each sequence (the
-            amount of left padding); keys before it are ignored and query rows before it output 0.
-            Default: every sequence starts at key 0 (no padding, or right padding).
+            amount of left padding), each in ``[0, Tk]`` (``Tk``: the sequence is all padding); keys
+            before it are ignored and query rows before it output 0. Default: every sequence starts
+            at key 0 (no padding, or right padding).
         cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` cumulative sequence lengths of the packed form (both
             or neither); sequence i has queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys
-            ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``.
-        max_seqlen_q: packed form only: the longest query length (saves a host sync).
+            ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``. Both start at 0, never decrease and end at
+            ``Nq`` / ``Nk``; every sequence has at least as many keys as queries.
+        max_seqlen_q: packed form only: a bound on the longest query sequence (it sizes the launch
+            grid), ``>=`` that length; default: computed from ``cu_seqlens_q``. Either way the
+            host copy of ``cu_seqlens`` that the checks read is the packed form's one host sync.
+        validate: check ``key_start``'s values (``0 <= key_start <= Tk``) on the host: one sync
+            when it lives on a GPU (none for the padded form otherwise). ``False`` skips that check
+            only (inside ``torch.compile`` it is skipped too); an out-of-range entry then gives NaN
+            rows for its sequence on both backends, never a read outside the keys. The packed form's
+            ``cu_seqlens``/``max_seqlen_q`` are always checked.
 
     Returns:
-        Tensor shaped like ``q`` in ``q.dtype``. Differentiable (deterministic backward).
+        Tensor shaped like ``q`` in ``q.dtype``. Differentiable (deterministic backward). A row that
+        sees a NaN/±Inf in its own query or in a key or value it attends to is NaN (the whole row);
+        keys and values it does not see (later positions, padding, other sequences) never change
+        it, whatever they hold. Likewise in the backward.
 
     Raises:
-        TypeError/ValueError naming the argument on a wrong type, dtype, shape or device.
+        TypeError/ValueError naming the argument on a wrong type, dtype, shape or device, and
+        ValueError on out-of-range index arguments: ``key_start`` outside ``[0, Tk]``, ``cu_seqlens``
+        that do not start at 0, decrease, do not end at the packed length or give a sequence fewer
+        keys than queries, ``max_seqlen_q`` below the longest query sequence (or given for the
+        padded form). Both backends reject the same inputs (the checks run before dispatch).
     """
-    max_seqlen_q = _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    max_seqlen_q = _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check.positive_float("scale", scale)
     backend = _dispatch.resolve_backend(q.device, has_kernel=q.dtype in _KERNEL_DTYPES)
     if backend == "reference":
@@ -279,7 +354,9 @@ def attention_heads_first(
     ``[B, Tq, Hq, D]`` (what HF's attention functions return). Without a gradient to keep (a rollout
     or decode step) the kernel reads the three tensors through their strides (no transposed views,
     no second round of checks); otherwise, or off the common case, it is
-    ``attention(q.transpose(1, 2), …)`` with every check. Same bits either way."""
+    ``attention(q.transpose(1, 2), …)`` with every check but ``key_start``'s host-side range check
+    (``validate=False``: ``key_start`` comes from the adapter's mask, in range by construction).
+    Same bits either way."""
     b, hq, tq, d = q.shape
     if (
         not torch.compiler.is_compiling()
@@ -300,6 +377,13 @@ def attention_heads_first(
         from rlkernel.kernels import attention as kern
 
         return kern.attention_fwd(q, k, v, scale=scale, key_start=key_start, heads_first=True)[0]
+    # The adapter builds key_start from the mask, in [0, Tk] by construction: no host check (one
+    # sync per layer of a training forward), the kernel's clamp and NaN rows guard it anyway.
     return attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, key_start=key_start
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        scale=scale,
+        key_start=key_start,
+        validate=False,
     )

@@ -131,6 +131,10 @@ def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
 def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str]) -> None:
     xn, wn = names
     check.float_tensor(xn, x, min_dim=1)
+    if x.shape[-1] < 1:  # as rms_norm's hidden dimension: an empty reduction is not a layer
+        raise ValueError(
+            f"{xn} must have a contraction dimension K = {xn}.shape[-1] >= 1, got {check.describe(x)}"
+        )
     check.float_tensor(wn, weight)
     if weight.dim() != 2:
         raise ValueError(f"{wn} must be 2-D, got {check.describe(weight)}")
@@ -173,6 +177,7 @@ def _accepted(x: object, weight: object, bias: object) -> bool:
         and weight.dtype is x.dtype
         and weight.dim() == 2
         and x.dim() >= 1
+        and x.shape[-1] >= 1
         and weight.shape[1] == x.shape[-1]
         and x.device == weight.device
         and (
@@ -205,7 +210,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Raises:
         TypeError: non-float inputs, mismatched dtypes.
-        ValueError: weight not 2-D, ``weight.shape[1] != x.shape[-1]``, bias not ``[N]``, devices differ.
+        ValueError: weight not 2-D, ``weight.shape[1] != x.shape[-1]``, ``K = 0``, bias not ``[N]``,
+            devices differ.
     """
     if not _accepted(x, weight, bias):  # the full checks (they raise) only off the common path
         _check_linear(x, weight, bias, ("x", "weight"))

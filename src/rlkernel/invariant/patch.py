@@ -3,6 +3,7 @@
 What :func:`patch_hf_model` changes, in place (and :func:`unpatch_hf_model` undoes):
 
     every nn.Linear (q/k/v/o, gate/up/down, lm_head)   -> rlkernel.invariant.matmul.linear
+      (whose forward is nn.Linear.forward)
     every Qwen3RMSNorm / LlamaRMSNorm (incl. q/k_norm) -> rlkernel.invariant.rmsnorm.rms_norm (same eps)
     attention                                           -> rlkernel.invariant.hf_attention, registered
                                                            in transformers' AttentionInterface (and its
@@ -27,14 +28,23 @@ Caveats:
     * Only the two architectures above (and their base ``Qwen3Model`` / ``LlamaModel``). Other models
       raise TypeError: their modules (fused qkv, different norms, sliding windows, MoE routing) would
       need their own review before anything could be called invariant.
-    * A module whose ``forward`` was replaced per instance (accelerate's offloading hooks with
-      ``device_map``) keeps that instance forward; patch before dispatching such a model, or do not.
+    * Only stock forwards are replaced: an ``nn.Linear`` or RMSNorm module whose forward is its own
+      (a quantized, adapter or scaled subclass) or was replaced per instance (accelerate's
+      offloading hooks with ``device_map``) makes :func:`patch_hf_model` raise, naming it
+      (``allow_unpatched=True`` leaves such modules as they are, with a warning): replacing that
+      forward would change what the model computes, and skipping it silently would break the
+      invariance. Patch before dispatching such a model.
+    * One level: a model containing a module patched by another ``patch_hf_model`` call (on its
+      inner model, or on a model sharing the module) is refused, so that :func:`unpatch_hf_model`
+      can always restore the original exactly; unpatching the outer model also undoes a patch of
+      its inner model.
     * The invariant kernels fix one reduction order for every batch shape, which is not always the
       fastest order cuBLAS/FlashAttention would pick: see ``rlkernel bench invariant``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -115,7 +125,54 @@ def _set_attn_implementation(model: nn.Module, name: str) -> None:
             config._attn_implementation = name
 
 
-def patch_hf_model(model: nn.Module) -> nn.Module:
+def _norm_base(cls: type) -> type | None:
+    """The Qwen3RMSNorm / LlamaRMSNorm class that ``cls`` is (or derives from), else None."""
+    return next((c for c in cls.__mro__ if c.__name__ in _NORM_CLASSES), None)
+
+
+def _plan(model: nn.Module) -> tuple[list[tuple[nn.Module, Any]], list[str]]:
+    """What patching ``model`` would do: ``(module, forward)`` pairs to swap, and a description of
+    each module that cannot be patched without changing what it computes. A module is patched only
+    when its forward is the stock one (``nn.Linear.forward``, or the RMSNorm class's own), read from
+    its class and not replaced on the instance: a subclass with its own forward (a quantized, adapter
+    or scaled layer) or an instance forward (accelerate's hooks) would otherwise be silently
+    replaced, or silently bypass the patch."""
+    swaps, unsupported = [], []
+    for path, module in model.named_modules():
+        cls = type(module)
+        if isinstance(module, nn.Linear):
+            base, forward = nn.Linear, _invariant_linear_forward
+        else:
+            base, forward = _norm_base(cls), _invariant_rms_norm_forward
+            if base is None:
+                continue
+        where = path or "the model itself"
+        if "forward" in vars(module):
+            unsupported.append(
+                f"{where} ({cls.__qualname__}: its forward was replaced on the instance, e.g. by "
+                "accelerate's hooks)"
+            )
+        elif cls.forward is not base.forward:
+            unsupported.append(
+                f"{where} ({cls.__module__}.{cls.__qualname__}: a subclass of {base.__name__} with its "
+                "own forward)"
+            )
+        else:
+            swaps.append((module, forward))
+    return swaps, unsupported
+
+
+def _patched_inside(model: nn.Module) -> list[str]:
+    """Paths of the modules inside ``model`` patched by a ``patch_hf_model`` call on ``model`` itself
+    or on one of its submodules ("" is the model)."""
+    return [
+        path or "the model itself"
+        for path, module in model.named_modules()
+        if getattr(type(module), _ORIGINAL, None) is not None or (path and is_patched(module))
+    ]
+
+
+def patch_hf_model(model: nn.Module, *, allow_unpatched: bool = False) -> nn.Module:
     """Make an HF Qwen3/Llama model run its linears, RMSNorms and attention on the invariant kernels.
 
     After patching, every token's logits are bitwise independent of the batch it is computed in:
@@ -123,20 +180,58 @@ def patch_hf_model(model: nn.Module) -> nn.Module:
     KV-cache decode vs a full prefill. ``generate()``, a training forward and ``backward()`` all work
     as before; parameters are not copied or moved.
 
+    Only modules whose forward is the stock one are patched: exactly ``nn.Linear.forward`` (plain
+    ``nn.Linear`` or a subclass that does not override it) and the Qwen3/Llama RMSNorm's own forward,
+    not replaced on the instance. Any other such module (a quantized, adapter or scaled ``nn.Linear``
+    subclass with its own forward; accelerate's per-instance hooks) is an error unless
+    ``allow_unpatched`` is set: replacing its forward would change what the model computes, and
+    leaving it silently would break the invariance this function promises.
+
     Args:
         model: a ``transformers`` ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` (or the base
             ``Qwen3Model`` / ``LlamaModel``), on any device and dtype the invariant kernels take
             (CUDA: Triton kernels; CPU: the invariant reference path).
+        allow_unpatched: leave the modules described above as they are (a ``UserWarning`` names
+            them) and patch the rest. The model then computes what it computed before in those
+            modules, and its logits are batch invariant only if they are.
 
     Returns:
-        ``model`` itself, patched in place. Patching twice is a no-op.
+        ``model`` itself, patched in place. Patching a patched model again is a no-op.
 
     Raises:
         TypeError: ``model`` is not one of the supported architectures.
+        ValueError: a linear or RMSNorm module has a forward of its own (see above; names each
+            one), or a module inside ``model`` is already patched by a ``patch_hf_model`` call on a
+            submodule (e.g. ``model.model``) or on a model sharing it: patch one level only, so that
+            :func:`unpatch_hf_model` can restore it exactly. Nothing is changed when it raises.
     """
     _check_model(model, "patch_hf_model")
     if is_patched(model):
         return model
+    nested = _patched_inside(model)
+    if nested:
+        raise ValueError(
+            f"patch_hf_model: {', '.join(nested[:4])}{' …' if len(nested) > 4 else ''} "
+            f"{'is' if len(nested) == 1 else 'are'} already patched, by patch_hf_model on a submodule "
+            "or on a model that contains it; patch one level only (unpatch_hf_model that one first), "
+            "so that unpatch_hf_model can restore the original model exactly"
+        )
+    swaps, unsupported = _plan(model)
+    if unsupported:
+        listed = "; ".join(unsupported)
+        if not allow_unpatched:
+            raise ValueError(
+                f"patch_hf_model: cannot route {listed} through the invariant kernels: replacing its "
+                "forward would change what the model computes, and leaving it as it is would break batch "
+                "invariance. Replace or unwrap such modules first, or pass allow_unpatched=True to patch "
+                "the rest and leave these as they are (the model is then not guaranteed batch invariant)"
+            )
+        warnings.warn(
+            f"patch_hf_model(allow_unpatched=True): left unpatched: {listed}; the model's logits are "
+            "batch invariant only if these modules are",
+            UserWarning,
+            stacklevel=2,
+        )
     from rlkernel.invariant.hf_attention import register_hf_attention
 
     name = register_hf_attention()
@@ -144,14 +239,8 @@ def patch_hf_model(model: nn.Module) -> nn.Module:
     # (config, its attention implementation before patching): a list of pairs, not a dict keyed by
     # id(), so that a deepcopy of the patched model carries a state that still matches its configs.
     state = {"attn": [(cfg, cfg._attn_implementation) for cfg in configs.values()]}
-    for module in model.modules():
-        cls = type(module)
-        if getattr(cls, _ORIGINAL, None) is not None:  # already swapped
-            continue
-        if isinstance(module, nn.Linear):
-            module.__class__ = _swapped_class(cls, _invariant_linear_forward)
-        elif cls.__name__ in _NORM_CLASSES:
-            module.__class__ = _swapped_class(cls, _invariant_rms_norm_forward)
+    for module, forward in swaps:
+        module.__class__ = _swapped_class(type(module), forward)
     _set_attn_implementation(model, name)
     object.__setattr__(model, _STATE, state)  # a plain attribute: not a submodule, not in state_dict
     return model
@@ -160,16 +249,33 @@ def patch_hf_model(model: nn.Module) -> nn.Module:
 def unpatch_hf_model(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_hf_model`: the original module classes and attention implementation return.
 
-    The model then computes exactly what it computed before patching (bitwise). Unpatching a model
-    that is not patched is a no-op.
+    The model then computes exactly what it computed before patching (bitwise). This also undoes a
+    ``patch_hf_model`` applied to a submodule of ``model`` (e.g. ``model.model``), so unpatching the
+    outer model restores the original whatever was patched inside it. Unpatching a model with
+    nothing patched in it is a no-op.
 
     Raises:
         TypeError: ``model`` is not one of the supported architectures.
+        ValueError: ``model`` is part of a model patched as a whole (its modules were swapped by
+            ``patch_hf_model`` on an enclosing model): unpatch that model instead. Nothing changes.
     """
     _check_model(model, "unpatch_hf_model")
-    state = getattr(model, _STATE, None)
-    if state is None:
+    if not is_patched(model):
+        inner = [m for path, m in model.named_modules() if path and is_patched(m)]
+        if not inner and _patched_inside(model):
+            raise ValueError(
+                "unpatch_hf_model: this model was not patched itself, but its modules were, by "
+                "patch_hf_model on a model that contains it; unpatch that model instead"
+            )
+        for m in inner:
+            _unpatch(m)
         return model
+    _unpatch(model)
+    return model
+
+
+def _unpatch(model: nn.Module) -> None:
+    state = getattr(model, _STATE)
     for module in model.modules():
         original = getattr(type(module), _ORIGINAL, None)
         if original is not None:
@@ -184,4 +290,3 @@ def unpatch_hf_model(model: nn.Module) -> nn.Module:
         except (ValueError, KeyError, AttributeError, TypeError):
             pass
     object.__delattr__(model, _STATE)
-    return model

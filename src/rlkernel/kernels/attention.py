@@ -6,10 +6,25 @@ p, q head h) of a sequence whose first real key is s, with c = scale·log2 e (on
 one-level online softmax over key blocks of BN = BLOCK_N keys anchored at s:
 
     (m, l, acc) = (−inf, 0, 0)
-    for key blocks [s + j·BN, s + (j+1)·BN), j = 0, 1, … (one loop, all masked alike):  (``_attend_blocks``)
+    for key blocks [s + j·BN, s + (j+1)·BN), j = 0, 1, … (all masked alike):  (``_attend_blocks``)
         t = where(key ≤ p, c·(q·kᵀ), −inf);  m' = max(m, rowmax t);  α = 2^(m − m');  P = 2^(t − m')
         l = α·l + rowsum P;   acc = α·acc + P·V
     out = acc / l,   lse2 = m + log2 l (saved for backward; +inf for rows that see no key)    (``_finish``)
+
+Non-finite values (NaN/±Inf) reach exactly the rows that see them, and make them NaN. P·V is a
+matrix product, so in a block that some row of the tile does not see whole (the tile's diagonal:
+one or two blocks per tile) a key hidden from a row would still turn it to NaN through 0·NaN. There,
+and only there, V enters the product with its non-finite entries read as 0 and the rows that do see
+such a value row get a NaN P for it in P·V alone (``_attend_block``, DIAGONAL; l and lse2 keep the
+scores' values). The other blocks, seen whole by every row of the tile, run the plain body, where a
+non-finite value reaches its own columns of the rows (all of which see it); ``_finish`` then makes
+NaN every row with a non-finite column, so the result does not depend on which loop a block fell
+in. The diagonal's extra work is not paid per block of a long sequence, and both loops do the same
+arithmetic in the same order on the same values: finite inputs give the same bits whichever loop a
+block falls in (a decode tile and a prefill tile split a sequence's blocks differently). A NaN/Inf
+query or key gives non-finite scores for exactly its (row, key) pairs, which the causal ``where``
+hides from the rows that do not see them; a row that sees one has l = NaN and outputs NaN
+(``_finish`` tests l ≠ 0, not l > 0, so it is not taken for a row that sees no key).
 
 One kernel runs prefill, chunked prefill and decode (a decode step is the prefill kernel with only
 its last query's rows active). A block that a row's mask fully hides is an exact no-op for that row
@@ -151,10 +166,11 @@ def _seq_bounds(
     HAS_KEY_START: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-    """(q_row0, q_tok0, len_q, k_tok0, len_k, key_start) of sequence ``b``: its first row in the
-    flat [total query rows] space of the LSE/delta, its first query and key token in the packed
-    tensors (0 for the padded form, addressed through the batch stride instead), its lengths and its
-    first valid key."""
+    """(q_row0, q_tok0, len_q, k_tok0, len_k, key_start, key_start_ok) of sequence ``b``: its first
+    row in the flat [total query rows] space of the LSE/delta, its first query and key token in the
+    packed tensors (0 for the padded form, addressed through the batch stride instead), its lengths,
+    its first valid key clamped to [0, len_k] (so that no key outside the sequence is ever read, even
+    for a ``key_start`` the caller did not validate) and whether it was in range unclamped."""
     if IS_VARLEN:
         q_tok0 = tl.load(cu_q_ptr + b).to(tl.int64)
         len_q = (tl.load(cu_q_ptr + b + 1) - q_tok0).to(tl.int32)
@@ -162,6 +178,7 @@ def _seq_bounds(
         len_k = (tl.load(cu_k_ptr + b + 1) - k_tok0).to(tl.int32)
         q_row0 = q_tok0
         ks = 0
+        ks_ok = True
     else:
         q_row0 = b * seqlen_q
         q_tok0 = b * 0
@@ -169,10 +186,63 @@ def _seq_bounds(
         len_q = seqlen_q
         len_k = seqlen_k
         if HAS_KEY_START:
-            ks = tl.load(key_start_ptr + b).to(tl.int32)
+            ks_given = tl.load(key_start_ptr + b).to(tl.int64)
+            ks_ok = (ks_given >= 0) & (ks_given <= len_k)
+            ks = tl.minimum(tl.maximum(ks_given, 0), len_k).to(tl.int32)
         else:
             ks = 0
-    return q_row0, q_tok0, len_q, k_tok0, len_k, ks
+            ks_ok = True
+    return q_row0, q_tok0, len_q, k_tok0, len_k, ks, ks_ok
+
+
+@triton.jit
+def _non_finite(x):
+    """``(x with its NaN/±Inf entries read as 0, [rows] flag: the row had one)``. Finite entries keep
+    their bits."""
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    return tl.where(bad, tl.zeros_like(x), x), tl.max(bad.to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _attend_block(
+    m_i,
+    l_i,
+    acc,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    mask_d,
+    qpos,
+    start,
+    len_k,
+    scale,
+    BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
+    """One key block [start, start + BN) of the online softmax (see ``_attend_blocks``)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+    k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+    s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
+    visible = keys[None, :] <= qpos[:, None]
+    t = tl.where(visible, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(t, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: 2^(−inf) = 0
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(t - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DIAGONAL:  # some rows do not see some keys: their P = 0 must not meet a NaN/Inf value
+        v, v_bad = _non_finite(v)
+        p = tl.where(visible & v_bad[None, :], float("nan"), p)  # P·V only (l has its sum)
+    acc = dot(p.to(v_base.dtype.element_ty), v, acc, INPUT_PRECISION, INTERPRETED)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -186,6 +256,7 @@ def _attend_blocks(
     mask_d,
     qpos,
     lo,
+    mid,
     hi,
     len_k,
     scale,
@@ -197,35 +268,37 @@ def _attend_blocks(
 ):
     """Online softmax from a fresh state over the key blocks [lo, lo+BN), [lo+BN, lo+2BN), … below
     ``hi``, every block masked alike (keys ≥ ``len_k`` read zeros, keys after a row's query get −inf).
-    Returns the rows' (m, l, acc): running max, sum of 2^(t − m) and Σ P·V, all fp32."""
+    The blocks below ``mid`` are seen whole by every row of the tile; the others (the tile's
+    diagonal) also read V's non-finite entries as 0 and make NaN the outputs that see one (see the
+    module header). Same arithmetic, same order, either way. Returns the rows' (m, l, acc): running
+    max, sum of 2^(t − m) and Σ P·V, all fp32."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        keys = start + offs_n
-        kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
-        k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
-        s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
-        t = tl.where(keys[None, :] <= qpos[:, None], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(t, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: 2^(−inf) = 0
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(t - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = dot(p.to(v_base.dtype.element_ty), v, acc, INPUT_PRECISION, INTERPRETED)
-        m_i = m_new
+    for start in range(lo, mid, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            m_i, l_i, acc, q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, start, len_k,
+            scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, False,
+        )  # fmt: skip
+    for start in range(mid, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(
+            m_i, l_i, acc, q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, start, len_k,
+            scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, True,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
 @triton.jit
 def _finish(m_i, l_i, acc):
-    """(out, lse2) of a final state: acc / l, m + log2 l; 0 and +inf for rows that see no key."""
-    has_keys = l_i > 0.0
+    """(out, lse2) of a final state: acc / l, m + log2 l; 0 and +inf for rows that see no key (l = 0;
+    a NaN l, from a NaN score the row sees, is not that: the row stays NaN). A row whose acc is not
+    finite in some column (a NaN/Inf value it sees) is NaN as a whole, wherever that value's block
+    fell (see the module header)."""
+    has_keys = l_i != 0.0
     safe_l = tl.where(has_keys, l_i, 1.0)
     out = tl.where(has_keys[:, None], acc / safe_l[:, None], 0.0)
+    seen_bad = tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32), 1) > 0
+    out = tl.where(seen_bad[:, None], float("nan"), out)
     lse = tl.where(has_keys, m_i + tl.math.log2(safe_l), float("inf"))
     return out, lse
 
@@ -289,7 +362,7 @@ def _attn_fwd_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks, ks_ok = _seq_bounds(
         b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
     )
     n_rows = len_q * group
@@ -314,12 +387,19 @@ def _attn_fwd_kernel(
         scale = tl.cast(qk_scale, tl.float32)
         last_row = tl.minimum(row0 + BLOCK_M, n_rows) - 1
         key_end = len_k - len_q + last_row // group + 1  # one past the last key any row of the tile sees
-        # The tile's key blocks, anchored at ks, in order (one masked loop; see the module header).
+        # Blocks before full_end are seen whole by every row of the tile (its first row's query
+        # position is len_k − len_q + row0 // group): no non-finite value can reach a row that does
+        # not see it there.
+        full_end = ks + tl.maximum(len_k - len_q + row0 // group + 1 - ks, 0) // BLOCK_N * BLOCK_N
+        # The tile's key blocks, anchored at ks, in order, all masked alike (see the module header).
         m_i, l_i, acc = _attend_blocks(
-            q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, ks, key_end, len_k, scale,
-            BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, INTERPRETED,
+            q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, ks, full_end, key_end, len_k,
+            scale, BLOCK_M, BLOCK_N, BLOCK_D, INPUT_PRECISION, INTERPRETED,
         )  # fmt: skip
         out, lse = _finish(m_i, l_i, acc)
+        if HAS_KEY_START:  # a key_start outside [0, Tk] (validate=False): NaN rows, not a guess
+            out = tl.where(ks_ok, out, float("nan"))
+            lse = tl.where(ks_ok, lse, float("nan"))
         o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot
         _store_rows(
             o_base,

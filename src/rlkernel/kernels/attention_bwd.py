@@ -15,6 +15,14 @@ without atomics. The backward need not be batch-invariant (training computes it 
 Memory: reads Q, K, V, O, dO once per program family plus K/V once per query block (dQ) and Q/dO
 once per key block per group head (dK/dV), as in FlashAttention-2.
 
+Masked-out pairs never reach a gradient, whatever the values there (NaN/±Inf in a query, key, value
+or output gradient that a row or key does not see): as in the forward, the blocks that pair some
+rows with keys they do not see (the diagonal ones) zero P and dS outside the visible pairs with a
+``where`` (not a product with 0) and read the operand summed over the other side of those pairs
+(dO and Q for dK/dV, K for dQ) with its non-finite entries as 0; the pairs that do see such a row
+get a NaN P or dS instead, so the gradients they feed are NaN (whole rows, where the plain product
+would give NaN in that entry's columns only). The other blocks run the plain body.
+
 Caveats:
     * Keys before ``key_start`` get exact zeros (the gradients are allocated zeroed).
     * delta is computed by a torch reduction (fp32 upcast copy of dO·O: 4 bytes per element of O,
@@ -37,6 +45,7 @@ from rlkernel.kernels.attention import (
     _block_d,
     _common,
     _device_guard,
+    _non_finite,
     _precision,
     _seq_bounds,
     _strides4,
@@ -63,6 +72,61 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> BwdConfig:
     if d <= 64:
         return BwdConfig(64, 64, 4, 2)
     return BwdConfig(64, 64, 8, 2)
+
+
+@triton.jit
+def _dkdv_block(
+    dk,
+    dv,
+    k,
+    v,
+    keys,
+    q_base,
+    do_base,
+    stride_qt,
+    stride_qh,
+    stride_dot,
+    stride_doh,
+    hq,
+    m0,
+    offs_d,
+    mask_d,
+    len_q,
+    offset,
+    lse_ptr,
+    delta_ptr,
+    total_q,
+    q_row0,
+    scale,
+    BLOCK_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
+    """The contribution of queries [m0, m0 + BM) of q head ``hq`` to a key block's (dK, dV).
+    DIAGONAL: some of those queries do not see some of the keys (see the module header)."""
+    qi = m0 + tl.arange(0, BLOCK_M)
+    q_ok = qi < len_q
+    ld = q_ok[:, None] & mask_d[None, :]
+    q = tl.load(q_base + qi[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0)
+    do = tl.load(do_base + qi[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0)
+    if DIAGONAL:  # one copy of each, finite; the pairs that see a bad row get NaN P below
+        q, q_bad = _non_finite(q)
+        do, do_bad = _non_finite(do)
+    lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
+    s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
+    visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
+    p_t = tl.where(visible, tl.math.exp2(s_t * scale - lse[None, :]), 0.0)
+    if DIAGONAL:
+        p_t = tl.where(visible & (q_bad | do_bad)[None, :], float("nan"), p_t)
+    dv = dot(p_t.to(do_base.dtype.element_ty), do, dv, INPUT_PRECISION, INTERPRETED)
+    dp_t = dot(v, tl.trans(do), None, INPUT_PRECISION, INTERPRETED)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if DIAGONAL:
+        ds_t = tl.where(visible, ds_t, 0.0)
+    dk = dot(ds_t.to(q_base.dtype.element_ty), q, dk, INPUT_PRECISION, INTERPRETED)
+    return dk, dv
 
 
 @triton.jit
@@ -123,7 +187,7 @@ def _attn_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks, _ = _seq_bounds(
         b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
     )
     start = ks + pid_n * BLOCK_N
@@ -143,28 +207,23 @@ def _attn_bwd_dkdv_kernel(
         qi_lo = tl.maximum(start - offset, 0)  # the first query that sees a key of this block
         q_base = q_ptr + b * stride_qb + q_tok0 * stride_qt
         do_base = do_ptr + b * stride_dob + q_tok0 * stride_dot
-        offs_m = tl.arange(0, BLOCK_M)
+        # Query blocks from qi_mid on see every key of this block (the last key is below len_k).
+        qi_full = tl.minimum(start + BLOCK_N, len_k) - 1 - offset
+        qi_mid = qi_lo + tl.cdiv(tl.maximum(qi_full - qi_lo, 0), BLOCK_M) * BLOCK_M
         for g in range(0, group):
             hq = hk * group + g
-            for m0 in range(qi_lo, len_q, BLOCK_M):
-                qi = m0 + offs_m
-                q_ok = qi < len_q
-                ld = q_ok[:, None] & mask_d[None, :]
-                q = tl.load(
-                    q_base + qi[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0
-                )
-                do = tl.load(
-                    do_base + qi[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0
-                )
-                lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
-                delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
-                s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
-                visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
-                p_t = tl.where(visible, tl.math.exp2(s_t * scale - lse[None, :]), 0.0)
-                dv = dot(p_t.to(do_ptr.dtype.element_ty), do, dv, INPUT_PRECISION, INTERPRETED)
-                dp_t = dot(v, tl.trans(do), None, INPUT_PRECISION, INTERPRETED)
-                ds_t = p_t * (dp_t - delta[None, :])
-                dk = dot(ds_t.to(q_ptr.dtype.element_ty), q, dk, INPUT_PRECISION, INTERPRETED)
+            for m0 in range(qi_lo, tl.minimum(qi_mid, len_q), BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
+                    offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
+                    BLOCK_M, INPUT_PRECISION, INTERPRETED, True,
+                )  # fmt: skip
+            for m0 in range(qi_mid, len_q, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
+                    offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
+                    BLOCK_M, INPUT_PRECISION, INTERPRETED, False,
+                )  # fmt: skip
         dk = dk * sm_scale
         dk_base = dk_ptr + b * stride_dkb + k_tok0 * stride_dkt + hk * stride_dkh
         dv_base = dv_ptr + b * stride_dvb + k_tok0 * stride_dvt + hk * stride_dvh
@@ -174,6 +233,49 @@ def _attn_bwd_dkdv_kernel(
         tl.store(
             dv_base + keys[:, None] * stride_dvt + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok
         )
+
+
+@triton.jit
+def _dq_block(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    qpos,
+    q_ok,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    mask_d,
+    start,
+    len_k,
+    scale,
+    BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
+    """The contribution of key block [start, start + BN) to a query block's dQ. DIAGONAL: some of
+    the queries do not see some of the keys (see the module header)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+    k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+    if DIAGONAL:  # one copy, finite; the pairs that see a bad key get NaN P below
+        k, k_bad = _non_finite(k)
+    s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
+    visible = (keys[None, :] <= qpos[:, None]) & q_ok[:, None]
+    p = tl.where(visible, tl.math.exp2(s * scale - lse[:, None]), 0.0)
+    if DIAGONAL:
+        p = tl.where(visible & k_bad[None, :], float("nan"), p)
+    dp = dot(do, tl.trans(v), None, INPUT_PRECISION, INTERPRETED)
+    ds = p * (dp - delta[:, None])
+    if DIAGONAL:
+        ds = tl.where(visible, ds, 0.0)
+    return dot(ds.to(k_base.dtype.element_ty), k, dq, INPUT_PRECISION, INTERPRETED)
 
 
 @triton.jit
@@ -231,7 +333,7 @@ def _attn_bwd_dq_kernel(
     b = pid_bh // n_q_heads
     hq = pid_bh % n_q_heads
     hk = hq // group
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks = _seq_bounds(
+    q_row0, q_tok0, len_q, k_tok0, len_k, ks, _ = _seq_bounds(
         b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
     )
     m0 = pid_m * BLOCK_M
@@ -253,18 +355,19 @@ def _attn_bwd_dq_kernel(
         v_base = v_ptr + b * stride_vb + k_tok0 * stride_vt + hk * stride_vh
         scale = tl.cast(qk_scale, tl.float32)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        for start in range(ks, key_end, BLOCK_N):
-            keys = start + offs_n
-            kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
-            k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
-            s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
-            visible = (keys[None, :] <= qpos[:, None]) & q_ok[:, None]
-            p = tl.where(visible, tl.math.exp2(s * scale - lse[:, None]), 0.0)
-            dp = dot(do, tl.trans(v), None, INPUT_PRECISION, INTERPRETED)
-            ds = p * (dp - delta[:, None])
-            dq = dot(ds.to(k_ptr.dtype.element_ty), k, dq, INPUT_PRECISION, INTERPRETED)
+        # Key blocks below key_mid are seen whole by every query of the block (the first sits at
+        # key position len_k − len_q + m0).
+        key_mid = ks + tl.maximum(len_k - len_q + m0 + 1 - ks, 0) // BLOCK_N * BLOCK_N
+        for start in range(ks, key_mid, BLOCK_N):
+            dq = _dq_block(
+                dq, q, do, lse, delta, qpos, q_ok, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d,
+                start, len_k, scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, False,
+            )  # fmt: skip
+        for start in range(key_mid, key_end, BLOCK_N):
+            dq = _dq_block(
+                dq, q, do, lse, delta, qpos, q_ok, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d,
+                start, len_k, scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, True,
+            )  # fmt: skip
         dq = dq * sm_scale
         dq_base = dq_ptr + b * stride_dqb + q_tok0 * stride_dqt + hq * stride_dqh
         tl.store(

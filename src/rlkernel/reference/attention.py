@@ -36,6 +36,12 @@ Caveats:
       rounded. ``log2`` (the returned LSE only, never the output) uses ``torch.log2``.
     * Backward is autograd through these ops (deterministic on CPU); the running max is detached,
       which is exact since the output does not depend on it mathematically.
+    * Non-finite inputs, as in the kernel: a row that sees a NaN/±Inf in its query or in a key or
+      value it attends to is NaN (the whole row); what a row does not see never reaches it, in the
+      forward or the gradient. Here each (row, key) pair the causal mask hides reads 0 for a
+      non-finite query, key or value entry and its P and P·v terms are selected to 0 with ``where``
+      (not multiplied by 0), so 0·NaN never happens in a product or its gradient; with finite
+      inputs the values and ops are those of the plain formula.
 """
 
 from __future__ import annotations
@@ -101,6 +107,18 @@ def _log2(x: torch.Tensor) -> torch.Tensor:
     return torch.log2(x.double()).to(x.dtype)
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _hide_non_finite(x: torch.Tensor, hidden: torch.Tensor, *, per_key: bool) -> torch.Tensor:
+    """``x`` per (row, key) pair, ``[rows, BN, Hq, D]``: its own values where the row sees the key, its
+    non-finite entries read as 0 where it does not (``hidden [rows, BN]``). ``x`` is a key block
+    ``[BN, Hq, D]`` (``per_key``) or the rows' queries ``[rows, Hq, D]``."""
+    x = x[None] if per_key else x[:, None]
+    return torch.where(hidden[:, :, None, None], _finite(x), x)
+
+
 def _one_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -121,6 +139,7 @@ def _one_sequence(
     # The kernel's fp32 constant c = scale·log2(e) (kept in fp64 for the fp64 accuracy path).
     c = torch.tensor(scale * LOG2E, dtype=torch.float32 if dt == torch.float32 else dt).to(dt)
     offset = tk - tq  # key position of query 0
+    q_bad_any = not bool(torch.isfinite(qf).all())
     chunk = max(1, CHUNK_ELEMENTS // max(1, block_n * hq * d))
     m = torch.full((tq, hq), -math.inf, dtype=dt, device=q.device)
     l = torch.zeros((tq, hq), dtype=dt, device=q.device)
@@ -134,28 +153,50 @@ def _one_sequence(
             kb = torch.nn.functional.pad(kb, pad)
             vb = torch.nn.functional.pad(vb, pad)
         keys = k0 + torch.arange(block_n, device=q.device)
+        k_bad_any, v_bad_any = (not bool(torch.isfinite(x).all()) for x in (kb, vb))
         for r0 in range(i0, tq, chunk):
             r1 = min(tq, r0 + chunk)
             qpos = offset + torch.arange(r0, r1, device=q.device)
-            t = tree_sum(qf[r0:r1, None] * kb[None], dim=-1) * c  # [rows, BN, Hq]
-            t = t.masked_fill((keys[None, :] > qpos[:, None])[..., None], -math.inf)
+            hidden = keys[None, :] > qpos[:, None]  # [rows, BN]: keys after the row's query
+            # A non-finite query, key or value must not reach a (row, key) pair the mask hides, not
+            # even as 0·NaN in a product or in its gradient: there it reads 0 (finite inputs: the
+            # same values, the same ops).
+            qq = _hide_non_finite(qf[r0:r1], hidden, per_key=False) if q_bad_any else qf[r0:r1, None]
+            kq = _hide_non_finite(kb, hidden, per_key=True) if k_bad_any else kb[None]
+            t = tree_sum(qq * kq, dim=-1) * c  # [rows, BN, Hq]
+            t = t.masked_fill(hidden[..., None], -math.inf)
             m_old = m[r0:r1]
             m_new = torch.maximum(m_old, t.amax(dim=1)).detach()
             # A row that has seen no key yet keeps m = −inf; shift by 0 so that 2^(−inf − 0) = 0.
             m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
             alpha = _exp2(m_old - m_use)
-            p = _exp2(t - m_use[:, None])
+            # Hidden pairs: exactly 0 (2^(−inf − m)), also when a NaN score of the row made m NaN.
+            p = torch.where(hidden[..., None], 0.0, _exp2(t - m_use[:, None]))
             l_new = l[r0:r1] * alpha + tree_sum(p, dim=1)
-            pv = tree_sum(p[..., None] * vb[None], dim=1)  # [rows, Hq, D]
+            vq = _hide_non_finite(vb, hidden, per_key=True) if v_bad_any else vb[None]
+            # Hidden pairs are P = 0 already; the where keeps a NaN output gradient of the row off
+            # the hidden keys' dV (0·NaN) in the backward.
+            pv_terms = torch.where(hidden[:, :, None, None], 0.0, p[..., None] * vq)
+            pv = tree_sum(pv_terms, dim=1)  # [rows, Hq, D]
             acc_new = acc[r0:r1] * alpha[..., None] + pv
             m = torch.cat([m[:r0], m_new, m[r1:]])
             l = torch.cat([l[:r0], l_new, l[r1:]])
             acc = torch.cat([acc[:r0], acc_new, acc[r1:]])
-    has_keys = l > 0
+    has_keys = l != 0  # a NaN l (a NaN score the row sees) keeps the row NaN
     safe_l = torch.where(has_keys, l, torch.ones_like(l))
     out = torch.where(has_keys[..., None], acc / safe_l[..., None], torch.zeros_like(acc))
+    # As the kernel: a row that saw a non-finite value (a non-finite column of acc) is NaN whole. The
+    # where keeps the gradient of such a row as it is (NaN where it sees the value).
+    seen_bad = ~torch.isfinite(acc).all(-1, keepdim=True)
+    out = torch.where(seen_bad, out + math.nan, out)
     lse2 = torch.where(has_keys, m + _log2(safe_l), torch.full_like(l, math.inf))
     return out, lse2
+
+
+def _nan_sequence(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse2) of a sequence whose ``key_start`` is out of range: NaN (kept in q's graph)."""
+    out = q.to(acc_dtype(q)) * math.nan
+    return out, out[..., 0]
 
 
 def attention_with_lse(
@@ -190,7 +231,12 @@ def attention_with_lse(
         lse = torch.cat(lses) if lses else q.new_zeros(q.shape[:-1], dtype=dt)
         return out.to(q.dtype), lse
     starts = [0] * q.shape[0] if key_start is None else [int(s) for s in key_start.tolist()]
-    results = [_one_sequence(q[b], k[b], v[b], starts[b], scale, block_n) for b in range(q.shape[0])]
+    results = [
+        _one_sequence(q[b], k[b], v[b], starts[b], scale, block_n)
+        if 0 <= starts[b] <= k.shape[1]
+        else _nan_sequence(q[b])  # key_start outside [0, Tk] (unvalidated): NaN rows, as the kernel
+        for b in range(q.shape[0])
+    ]
     if not results:
         return q.clone(), q.new_zeros(q.shape[:-1], dtype=acc_dtype(q))
     out = torch.stack([r[0] for r in results]).to(q.dtype)
@@ -214,7 +260,9 @@ def attention(
         q: ``[B, Tq, Hq, D]`` (padded) or ``[Nq, Hq, D]`` (packed).
         k, v: ``[B, Tk, Hkv, D]`` or ``[Nk, Hkv, D]``; Hq a multiple of Hkv; Tk ≥ Tq.
         scale: softmax scale, default ``D ** -0.5``.
-        key_start: ``[B]`` int, first valid key of each sequence (left padding); default 0.
+        key_start: ``[B]`` int, first valid key of each sequence (left padding), in ``[0, Tk]``;
+            default 0. A sequence whose entry is outside that range (not validated here) gets NaN
+            rows, as in the kernel.
         cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` cumulative lengths (packed form, both or neither).
         block_n: keys per block (the kernel's BLOCK_N; it fixes the summation order); default
             ``BLOCK_N``.
