@@ -157,10 +157,12 @@ def float_like(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.
 
 
 def normalizer(name: str, value: object, device: torch.device) -> float | torch.Tensor | None:
-    """A global normalizer: ``None``, a finite number > 0, or a 0-dim int/float tensor.
+    """A global normalizer: ``None``, a finite number >= 0, or a 0-dim int/float tensor.
 
-    A tensor may live on ``device`` or on the CPU (a CPU scalar never forces a device sync). Its value
-    is not checked (that would cost a host sync); a tensor holding 0 gives inf/NaN, like any x / 0.
+    0 is the count of a step that is all-masked on every rank (``global_normalizers`` returns it):
+    the loss is then 0. A tensor may live on ``device`` or on the CPU (a CPU scalar never forces a
+    device sync). Its value is not checked here (that would cost a host sync); the aggregation
+    turns a tensor that is negative or not finite, or 0 with active tokens, into a NaN loss.
     """
     if value is None:
         return None
@@ -174,4 +176,4 @@ def normalizer(name: str, value: object, device: torch.device) -> float | torch.
         if value.device != device and value.device.type != "cpu":
             raise ValueError(f"{name} must be on {device} or the CPU, got {describe(value)}")
         return value
-    return positive_float(name, value)
+    return nonneg_float(name, value)

@@ -54,7 +54,7 @@ POLICY_LOSS_CASES = [
         "entropy is required when cfg.entropy_coef",
     ),
     (dict(cfg=rk.PolicyLossConfig(rollout_correction="seq_tis")), ValueError, "rollout_logp is required"),
-    (dict(global_tokens=0), ValueError, "global_tokens must be a finite number > 0"),
+    (dict(global_tokens=-1), ValueError, "global_tokens must be a finite number >= 0"),
     (dict(global_tokens=float("inf")), ValueError, "global_tokens"),
     (dict(global_tokens="8"), TypeError, "global_tokens must be a number"),
     (dict(global_tokens=True), TypeError, "global_tokens"),
