@@ -151,6 +151,30 @@ ADV_CASES = [
         TypeError,
         "token_counts must be an integer or float",
     ),
+    # token_counts are whitening weights: negative ones gave advantages of ±500, complex ones were
+    # silently truncated to their real part, NaN/inf ones gave NaN everywhere.
+    *[
+        (
+            dict(estimator="reinforce_pp_baseline", token_counts=counts),
+            ValueError,
+            r"token_counts must be finite and >= 0 .*first: " + first,
+        )
+        for counts, first in [
+            (torch.tensor([3, 5, -2, 4, 4, 1]), "-2"),
+            (torch.tensor([3.0, 5.0, 2.0, 4.0, -0.5, 1.0]), "-0.5"),
+            (torch.tensor([3.0, float("nan"), 2.0, 4.0, 4.0, 1.0]), "nan"),
+            (torch.tensor([3.0, 5.0, 2.0, float("inf"), 4.0, 1.0]), "inf"),
+            (torch.tensor([3.0, 5.0, 2.0, 4.0, 4.0, -float("inf")]), "-inf"),
+        ]
+    ],
+    *[
+        (
+            dict(estimator="reinforce_pp_baseline", token_counts=torch.randint(1, 9, (6,)).to(dtype)),
+            TypeError,
+            "token_counts must be an integer or float tensor",
+        )
+        for dtype in (torch.complex64, torch.complex128)
+    ],
 ]
 
 
