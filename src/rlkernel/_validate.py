@@ -128,6 +128,13 @@ def positive_int(name: str, value: object, *, maximum: int | None = None) -> int
     return value
 
 
+def boolean(name: str, value: object) -> bool:
+    """A flag: ``True`` or ``False`` only (a string such as ``"False"`` would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return value
+
+
 def integer(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

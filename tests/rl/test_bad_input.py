@@ -5,6 +5,18 @@ import torch
 
 import rlkernel as rk
 
+# The public functions (and classes) whose bad-input cases live in this module.
+COVERED = [
+    rk.policy_loss,
+    rk.fused_policy_loss,
+    rk.group_advantages,
+    rk.kl_penalty,
+    rk.PolicyLossConfig,
+    rk.PolicyLossConfig.preset,
+    rk.global_normalizers,
+    rk.token_logprobs,  # only its number check (HUGE_NUMBER_CASES)
+]
+
 B, T, V = 3, 4, 7
 META = torch.device("meta")  # a second device on a CPU-only machine
 
@@ -300,7 +312,16 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes, error, match", FUSED_CASES)
+# Flags must be bools: inplace_backward="False" is truthy and would overwrite the logits.
+FLAG_CASES = [
+    (dict(logits=_f(B, T, V), inplace_backward="False"), TypeError, "inplace_backward must be a bool"),
+    (dict(logits=_f(B, T, V), inplace_backward=1), TypeError, "inplace_backward must be a bool"),
+    (dict(logits=_f(B, T, V), validate=None), TypeError, "validate must be a bool"),
+    (dict(hidden=_f(B, T, 5), weight=_f(V, 5), validate="yes"), TypeError, "validate must be a bool"),
+]
+
+
+@pytest.mark.parametrize("changes, error, match", FUSED_CASES + FLAG_CASES)
 def test_fused_policy_loss(changes, error, match):
     with pytest.raises(error, match=match):
         rk.fused_policy_loss(rk.PolicyLossConfig(), **_fused_kwargs(**changes))
@@ -309,3 +330,17 @@ def test_fused_policy_loss(changes, error, match):
 def test_fused_cfg_type():
     with pytest.raises(TypeError, match="cfg must be a PolicyLossConfig"):
         rk.fused_policy_loss({"loss_type": "ppo"}, logits=_f(B, T, V), **_fused_kwargs())
+
+
+GLOBAL_NORMALIZERS_CASES = [
+    (dict(count_empty="no"), TypeError, "count_empty must be a bool"),
+    (dict(count_empty=None), TypeError, "count_empty must be a bool"),
+    (dict(count_empty=0), TypeError, "count_empty must be a bool"),
+]
+
+
+@pytest.mark.parametrize("changes, error, match", GLOBAL_NORMALIZERS_CASES)
+def test_global_normalizers(changes, error, match):
+    mask = torch.rand(B, T) > 0.5
+    with pytest.raises(error, match=match):
+        rk.global_normalizers(mask, **changes)
