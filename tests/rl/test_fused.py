@@ -371,7 +371,7 @@ def _retain_problem(vocab, seed=40):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(2, 3, generator=g) > 0.3
     mask[0, 0], mask[1, 2] = True, False
-    return dict(
+    p = dict(
         ids=torch.where(mask, torch.randint(0, vocab, (2, 3), generator=g), -1),
         old_logp=-torch.rand(2, 3, generator=g) * 2 - 0.1,
         ref_logp=-torch.rand(2, 3, generator=g) * 2 - 0.1,
@@ -382,6 +382,7 @@ def _retain_problem(vocab, seed=40):
         weight=torch.randn(vocab, HIDDEN, generator=g) * 0.5,
         bias=torch.randn(vocab, generator=g) * 0.1,
     )
+    return {k: v.to(DEVICE) for k, v in p.items()}
 
 
 def _grads_after(cfg, p, source, backwards, retain=True, **extra):

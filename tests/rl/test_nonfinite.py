@@ -19,6 +19,7 @@ from rlkernel.rl.config import PRESETS
 from .helpers import LOSS_CONFIGS, config
 
 B, T, V, H = 3, 4, 13, 8
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the Triton interpreter
 NONFINITE = (float("inf"), -float("inf"), float("nan"))
 CONSTANTS = ("old_logp", "ref_logp", "rollout_logp")
 ACTIVE = (0, 0)  # always active in _problem
@@ -47,7 +48,7 @@ def _problem(seed: int) -> dict:
     logp = -torch.rand(B, T, generator=g) * 3 - 0.05
     old = logp + 0.3 * torch.randn(B, T, generator=g)
     ids = torch.where(mask, torch.randint(0, V, (B, T), generator=g), -1)
-    return dict(
+    p = dict(
         mask=mask,
         ids=ids,
         logp=logp,
@@ -61,6 +62,7 @@ def _problem(seed: int) -> dict:
         weight=torch.randn(V, H, generator=g) * 0.5,
         bias=torch.randn(V, generator=g) * 0.1,
     )
+    return {k: v.to(DEVICE) for k, v in p.items()}
 
 
 PATHS = (
@@ -188,14 +190,14 @@ def test_nonfinite_ref_logp_gives_nan_for_every_kl_estimator(estimator, monkeypa
 
 
 def test_kl_penalty_nonfinite_logp_gives_nan():
-    logp = -torch.rand(6) - 0.1
-    ref = logp + 0.3 * torch.randn(6)
+    logp = -torch.rand(6, device=DEVICE) - 0.1
+    ref = logp + 0.3 * torch.randn(6, device=DEVICE)
     for value in NONFINITE:
         x = logp.clone()
         x[2] = value
         for estimator in ("k1", "k2", "k3", "abs", "k1+", "k3+"):
             out = rk.kl_penalty(x, ref, estimator)
-            assert torch.isnan(out[2]) and torch.isfinite(out[torch.arange(6) != 2]).all(), estimator
+            assert torch.isnan(out[2]) and torch.isfinite(out[torch.arange(6, device=DEVICE) != 2]).all()
 
 
 @pytest.mark.parametrize("name", list(LOSS_CONFIGS))
@@ -233,7 +235,7 @@ def test_reinforce_does_not_read_old_logp_on_any_path(monkeypatch):
 # ------------------------------------------------------------------- degenerate global normalizers
 def _all_masked(seed: int) -> dict:
     p = _problem(seed)
-    p["mask"] = torch.zeros(B, T, dtype=torch.bool)
+    p["mask"] = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
     return p
 
 
@@ -263,7 +265,7 @@ def test_zero_or_invalid_global_normalizer_with_active_tokens_gives_nan(aggregat
     # a tensor's value cannot be checked on the host without a sync; the loss says so with NaN.
     cfg = config("ppo", aggregation=aggregation)
     p = _problem(seed=21)
-    for bad in (0, torch.tensor(0.0), torch.tensor(-4.0), torch.tensor(float("inf"))):
+    for bad in (0, torch.tensor(0.0), torch.tensor(-4.0, device=DEVICE), torch.tensor(float("inf"))):
         paths = PATHS if isinstance(bad, int) or bad.item() == 0 else ("policy_loss", "logits-triton")
         for path in paths:
             loss, _ = _run(path, cfg, p, monkeypatch, global_tokens=bad, global_seqs=bad)
