@@ -65,27 +65,73 @@ def same_device(name: str, t: torch.Tensor, ref_name: str, device: torch.device)
         raise ValueError(f"{name} must be on {device} (the device of {ref_name}), got {describe(t)}")
 
 
-def positive_float(name: str, value: object) -> float:
+FP32_MAX = float(torch.finfo(torch.float32).max)
+FP32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message (an int too large for a float is not printed in full)."""
+    if isinstance(value, int) and abs(value) > 10**20:
+        return f"an int of {len(str(abs(value)))} digits"
+    return repr(value)
+
+
+def real(name: str, value: object) -> float:
+    """A Python ``int`` or ``float`` (not bool) as a float; TypeError otherwise, ValueError for an int
+    too large to be a float (rather than the OverflowError of ``float()``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got {_shown(value)}") from None
+
+
+def positive_float(name: str, value: object) -> float:
+    x = real(name, value)
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {_shown(value)}")
+    return x
 
 
 def nonneg_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    return float(value)
+    x = real(name, value)
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {_shown(value)}")
+    return x
 
 
-def positive_int(name: str, value: object) -> int:
+def fp32_float(name: str, value: float, *, positive: bool = False) -> float:
+    """An already-checked finite number that a float32 computation can use as it is: magnitude at
+    most the largest float32 (else it becomes inf there), and, with ``positive``, at least the
+    smallest normal float32 (else it becomes 0 or loses its precision there)."""
+    if abs(value) > FP32_MAX:
+        raise ValueError(
+            f"{name} must be at most {FP32_MAX:.6g} in magnitude (the loss is computed in float32), "
+            f"got {_shown(value)}"
+        )
+    if positive and value < FP32_TINY:
+        raise ValueError(
+            f"{name} must be at least {FP32_TINY:.6g} (the smallest normal float32; the loss is computed "
+            f"in float32), got {_shown(value)}"
+        )
+    return value
+
+
+def positive_int(name: str, value: object, *, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise ValueError(f"{name} must be > 0, got {_shown(value)}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {_shown(value)}")
+    return value
+
+
+def boolean(name: str, value: object) -> bool:
+    """A flag: ``True`` or ``False`` only (a string such as ``"False"`` would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
     return value
 
 
@@ -154,11 +200,10 @@ def cu_seqlens_values(name: str, cpu: torch.Tensor, total: int) -> None:
 
 def finite_float(name: str, value: object) -> float:
     """Any finite number (negative allowed), e.g. a coefficient whose sign is meaningful."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
-    return float(value)
+    x = real(name, value)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {_shown(value)}")
+    return x
 
 
 def float_like(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
@@ -170,10 +215,12 @@ def float_like(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.
 
 
 def normalizer(name: str, value: object, device: torch.device) -> float | torch.Tensor | None:
-    """A global normalizer: ``None``, a finite number > 0, or a 0-dim int/float tensor.
+    """A global normalizer: ``None``, a finite number >= 0, or a 0-dim int/float tensor.
 
-    A tensor may live on ``device`` or on the CPU (a CPU scalar never forces a device sync). Its value
-    is not checked (that would cost a host sync); a tensor holding 0 gives inf/NaN, like any x / 0.
+    0 is the count of a step that is all-masked on every rank (``global_normalizers`` returns it):
+    the loss is then 0. A tensor may live on ``device`` or on the CPU (a CPU scalar never forces a
+    device sync). Its value is not checked here (that would cost a host sync); the aggregation
+    turns a tensor that is negative or not finite, or 0 with active tokens, into a NaN loss.
     """
     if value is None:
         return None
@@ -187,4 +234,4 @@ def normalizer(name: str, value: object, device: torch.device) -> float | torch.
         if value.device != device and value.device.type != "cpu":
             raise ValueError(f"{name} must be on {device} or the CPU, got {describe(value)}")
         return value
-    return positive_float(name, value)
+    return nonneg_float(name, value)

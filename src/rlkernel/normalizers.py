@@ -49,10 +49,11 @@ def global_normalizers(
         ``cu_seqlens`` is read on the host to be validated (no sync when it lives on the CPU).
 
     Raises:
-        TypeError: a mask not a tensor, ``group`` not a ProcessGroup.
+        TypeError: a mask not a tensor, ``group`` not a ProcessGroup, ``count_empty`` not a bool.
         ValueError: no masks, masks on different devices, a padded mask not 2-D, a packed mask not
             1-D, bad ``cu_seqlens`` (or a list of a different length).
     """
+    check.boolean("count_empty", count_empty)
     masks = list(mask) if isinstance(mask, (list, tuple)) else [mask]
     if not masks:
         raise ValueError("mask must be a tensor or a non-empty list of micro-batch masks, got an empty list")

@@ -5,6 +5,18 @@ import torch
 
 import rlkernel as rk
 
+# The public functions (and classes) whose bad-input cases live in this module.
+COVERED = [
+    rk.policy_loss,
+    rk.fused_policy_loss,
+    rk.group_advantages,
+    rk.kl_penalty,
+    rk.PolicyLossConfig,
+    rk.PolicyLossConfig.preset,
+    rk.global_normalizers,
+    rk.token_logprobs,  # only its number check (HUGE_NUMBER_CASES)
+]
+
 B, T, V = 3, 4, 7
 META = torch.device("meta")  # a second device on a CPU-only machine
 
@@ -54,7 +66,7 @@ POLICY_LOSS_CASES = [
         "entropy is required when cfg.entropy_coef",
     ),
     (dict(cfg=rk.PolicyLossConfig(rollout_correction="seq_tis")), ValueError, "rollout_logp is required"),
-    (dict(global_tokens=0), ValueError, "global_tokens must be a finite number > 0"),
+    (dict(global_tokens=-1), ValueError, "global_tokens must be a finite number >= 0"),
     (dict(global_tokens=float("inf")), ValueError, "global_tokens"),
     (dict(global_tokens="8"), TypeError, "global_tokens must be a number"),
     (dict(global_tokens=True), TypeError, "global_tokens"),
@@ -151,6 +163,30 @@ ADV_CASES = [
         TypeError,
         "token_counts must be an integer or float",
     ),
+    # token_counts are whitening weights: negative ones gave advantages of ±500, complex ones were
+    # silently truncated to their real part, NaN/inf ones gave NaN everywhere.
+    *[
+        (
+            dict(estimator="reinforce_pp_baseline", token_counts=counts),
+            ValueError,
+            r"token_counts must be finite and >= 0 .*first: " + first,
+        )
+        for counts, first in [
+            (torch.tensor([3, 5, -2, 4, 4, 1]), "-2"),
+            (torch.tensor([3.0, 5.0, 2.0, 4.0, -0.5, 1.0]), "-0.5"),
+            (torch.tensor([3.0, float("nan"), 2.0, 4.0, 4.0, 1.0]), "nan"),
+            (torch.tensor([3.0, 5.0, 2.0, float("inf"), 4.0, 1.0]), "inf"),
+            (torch.tensor([3.0, 5.0, 2.0, 4.0, 4.0, -float("inf")]), "-inf"),
+        ]
+    ],
+    *[
+        (
+            dict(estimator="reinforce_pp_baseline", token_counts=torch.randint(1, 9, (6,)).to(dtype)),
+            TypeError,
+            "token_counts must be an integer or float tensor",
+        )
+        for dtype in (torch.complex64, torch.complex128)
+    ],
 ]
 
 
@@ -161,6 +197,76 @@ def test_group_advantages(changes, error, match):
     group_size = args.pop("group_size")
     with pytest.raises(error, match=match):
         rk.group_advantages(rewards, group_size, **args)
+
+
+FP32_MAX = torch.finfo(torch.float32).max
+# Numbers that pass a "finite number in range" check in float64 but do not survive the float32 loss
+# math and kernels (or do not even fit a float): each must be rejected at construction, by name.
+CONFIG_CASES = [
+    (dict(norm_length=10**30), ValueError, r"norm_length must be <= 2147483647, got an int of 31 digits"),
+    (dict(norm_length=2**31), ValueError, r"norm_length must be <= 2147483647"),
+    (dict(norm_length=2**63), ValueError, r"norm_length must be <= 2147483647"),
+    (dict(clip_high=10**400), ValueError, r"clip_high must be a finite number, got an int of 401 digits"),
+    (dict(clip_low=10**39), ValueError, r"clip_low must be at most 3\.40282e\+38"),
+    (dict(clip_high=1e39), ValueError, r"clip_high must be at most"),
+    (dict(dual_clip=3.5e38), ValueError, r"dual_clip must be at most"),
+    (dict(delta=10**40), ValueError, r"delta must be at most"),
+    (dict(delta=10**400), ValueError, r"delta must be a finite number"),
+    (dict(kl_coef=2 * FP32_MAX), ValueError, r"kl_coef must be at most"),
+    (dict(kl_coef=10**309), ValueError, r"kl_coef must be a finite number"),
+    (dict(entropy_coef=-1e300), ValueError, r"entropy_coef must be at most"),
+    (dict(entropy_coef=-(10**500)), ValueError, r"entropy_coef must be a finite number"),
+    (dict(rollout_clip_max=1e300), ValueError, r"rollout_clip_max must be at most"),
+    (dict(rollout_clip_min=1e-300), ValueError, r"rollout_clip_min must be at least 1\.17549e-38"),
+    (dict(rollout_clip_min=10**400, rollout_clip_max=None), ValueError, r"rollout_clip_min must be a finite"),
+    (dict(loss_type="sapo", sapo_tau_pos=1e-40), ValueError, r"sapo_tau_pos must be at least"),
+    (dict(loss_type="sapo", sapo_tau_neg=1e39), ValueError, r"sapo_tau_neg must be at most"),
+    (dict(loss_type="sapo", sapo_tau_neg=10**400), ValueError, r"sapo_tau_neg must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", CONFIG_CASES)
+def test_config_numbers_out_of_float32(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        rk.PolicyLossConfig(**kwargs)
+    preset = "sapo" if kwargs.get("loss_type") == "sapo" else "dapo"
+    overrides = {k: v for k, v in kwargs.items() if k != "loss_type"}
+    with pytest.raises(error, match=match):
+        rk.PolicyLossConfig.preset(preset, **overrides)
+
+
+def test_config_norm_length_bound_is_usable():
+    # The largest accepted norm_length runs on every path; one more is rejected (not an OverflowError
+    # in the loss, as 10**30 used to give).
+    cfg = rk.PolicyLossConfig(aggregation="seq-mean-token-sum-norm", norm_length=2**31 - 1)
+    loss = _call_loss(cfg=cfg).loss
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="norm_length"):
+        rk.PolicyLossConfig(aggregation="seq-mean-token-sum-norm", norm_length=2**31)
+
+
+# Ints too large for a float, where the other public functions take a number.
+HUGE_NUMBER_CASES = [
+    (lambda: _call_loss(global_tokens=10**400), "global_tokens must be a finite number"),
+    (lambda: _call_loss(global_seqs=-(10**400)), "global_seqs must be a finite number"),
+    (lambda: rk.group_advantages(_f(6), 3, eps=10**400), "eps must be a finite number"),
+    (
+        lambda: rk.fused_policy_loss(
+            rk.PolicyLossConfig(), logits=_f(B, T, V), temperature=10**400, **_fused_kwargs()
+        ),
+        "temperature must be a finite number",
+    ),
+    (
+        lambda: rk.token_logprobs(_f(B, T, V), torch.zeros(B, T, dtype=torch.long), temperature=10**400),
+        "temperature",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, match", HUGE_NUMBER_CASES)
+def test_ints_too_large_for_a_float_are_a_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 @pytest.mark.parametrize(
@@ -206,7 +312,16 @@ FUSED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("changes, error, match", FUSED_CASES)
+# Flags must be bools: inplace_backward="False" is truthy and would overwrite the logits.
+FLAG_CASES = [
+    (dict(logits=_f(B, T, V), inplace_backward="False"), TypeError, "inplace_backward must be a bool"),
+    (dict(logits=_f(B, T, V), inplace_backward=1), TypeError, "inplace_backward must be a bool"),
+    (dict(logits=_f(B, T, V), validate=None), TypeError, "validate must be a bool"),
+    (dict(hidden=_f(B, T, 5), weight=_f(V, 5), validate="yes"), TypeError, "validate must be a bool"),
+]
+
+
+@pytest.mark.parametrize("changes, error, match", FUSED_CASES + FLAG_CASES)
 def test_fused_policy_loss(changes, error, match):
     with pytest.raises(error, match=match):
         rk.fused_policy_loss(rk.PolicyLossConfig(), **_fused_kwargs(**changes))
@@ -215,3 +330,17 @@ def test_fused_policy_loss(changes, error, match):
 def test_fused_cfg_type():
     with pytest.raises(TypeError, match="cfg must be a PolicyLossConfig"):
         rk.fused_policy_loss({"loss_type": "ppo"}, logits=_f(B, T, V), **_fused_kwargs())
+
+
+GLOBAL_NORMALIZERS_CASES = [
+    (dict(count_empty="no"), TypeError, "count_empty must be a bool"),
+    (dict(count_empty=None), TypeError, "count_empty must be a bool"),
+    (dict(count_empty=0), TypeError, "count_empty must be a bool"),
+]
+
+
+@pytest.mark.parametrize("changes, error, match", GLOBAL_NORMALIZERS_CASES)
+def test_global_normalizers(changes, error, match):
+    mask = torch.rand(B, T) > 0.5
+    with pytest.raises(error, match=match):
+        rk.global_normalizers(mask, **changes)

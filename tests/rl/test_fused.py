@@ -349,3 +349,117 @@ def test_token_level_upstream_gradient_and_inplace_backward():
         )
         out.loss.backward()
     torch.testing.assert_close(leaf.grad, g1, **F32_TOL)
+
+
+# ---------------------------------------------------------- a second backward through a retained graph
+# PyTorch's rule: after backward(retain_graph=True), another backward accumulates the same gradients
+# again. The fused Triton routes hand out forward-computed buffers or write into the logits; a
+# retained graph must get copies (and intact logits) instead, so the sum is exactly twice one.
+RETAIN_CONFIGS = {"dapo": config("ppo", kl_coef=0.1, entropy_coef=0.02), "gspo": config("gspo")}
+
+
+@pytest.fixture
+def small_linear_chunks(monkeypatch):
+    """16-row chunks for the hidden-state Triton path (4096 padded rows take minutes interpreted)."""
+    import rlkernel.ops._linear_function as lf
+
+    monkeypatch.setattr(lf, "CHUNK_BYTES", 16 * VOCAB * 4)
+    monkeypatch.setattr(lf, "GRAD_BYTES", 16 * VOCAB * 4)
+
+
+def _retain_problem(vocab, seed=40):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(2, 3, generator=g) > 0.3
+    mask[0, 0], mask[1, 2] = True, False
+    p = dict(
+        ids=torch.where(mask, torch.randint(0, vocab, (2, 3), generator=g), -1),
+        old_logp=-torch.rand(2, 3, generator=g) * 2 - 0.1,
+        ref_logp=-torch.rand(2, 3, generator=g) * 2 - 0.1,
+        advantages=torch.randn(2, generator=g),
+        mask=mask,
+        logits=torch.randn(2, 3, vocab, generator=g),
+        hidden=torch.randn(2, 3, HIDDEN, generator=g),
+        weight=torch.randn(vocab, HIDDEN, generator=g) * 0.5,
+        bias=torch.randn(vocab, generator=g) * 0.1,
+    )
+    return {k: v.to(DEVICE) for k, v in p.items()}
+
+
+def _grads_after(cfg, p, source, backwards, retain=True, **extra):
+    """Gradients of fresh leaves after ``backwards`` backward calls through one graph (all but the
+    last with retain_graph=``retain``). The logits are an intermediate (leaf · 1), as a model's
+    output."""
+    names = ("logits",) if source == "logits" else ("hidden", "weight", "bias")
+    leaves = [p[n].clone().requires_grad_(True) for n in names]
+    inputs = {n: (x * 1.0 if n == "logits" else x) for n, x in zip(names, leaves, strict=True)}
+    out = rk.fused_policy_loss(
+        cfg,
+        token_ids=p["ids"],
+        old_logp=p["old_logp"],
+        advantages=p["advantages"],
+        mask=p["mask"],
+        ref_logp=p["ref_logp"],
+        **inputs,
+        **extra,
+    )
+    for i in range(backwards):
+        out.loss.backward(retain_graph=retain and i < backwards - 1)
+    return [x.grad for x in leaves]
+
+
+@interpreter_quiet
+@pytest.mark.parametrize("vocab", [VOCAB, 65_537])  # gradient-in-forward on (V <= 65,536), and off
+def test_second_backward_through_a_retained_graph_accumulates_again_logits(vocab):
+    p = _retain_problem(vocab)
+    for name, cfg in RETAIN_CONFIGS.items():  # gspo: the composed path, through the log-prob primitive
+        if name == "gspo" and vocab > VOCAB:  # the primitive's route does not depend on V
+            continue
+        for backend in ("reference", "triton"):
+            for inplace in (False, True):
+                with rk.use_backend(backend):
+                    (once,) = _grads_after(cfg, p, "logits", 1, inplace_backward=inplace)
+                    (twice,) = _grads_after(cfg, p, "logits", 2, inplace_backward=inplace)
+                assert torch.count_nonzero(once) > 0
+                torch.testing.assert_close(twice, 2 * once, **F32_TOL, msg=f"{name} {backend} {inplace}")
+
+
+@interpreter_quiet
+def test_second_backward_through_a_retained_graph_accumulates_again_hidden(small_linear_chunks):
+    p = _retain_problem(VOCAB, seed=41)
+    for name, cfg in RETAIN_CONFIGS.items():
+        for backend in ("reference", "triton"):
+            with rk.use_backend(backend):
+                once = _grads_after(cfg, p, "hidden", 1)
+                twice = _grads_after(cfg, p, "hidden", 2)
+            for a, b in zip(twice, once, strict=True):
+                torch.testing.assert_close(a, 2 * b, **F32_TOL, msg=f"{name} {backend}")
+
+
+@interpreter_quiet
+def test_unsupported_second_backward_says_why_and_how_to_avoid_it(small_linear_chunks, monkeypatch):
+    import rlkernel.ops._logprobs_function as fn_mod
+    import rlkernel.rl.fused as fused_mod
+
+    p = _retain_problem(VOCAB, seed=42)
+    cfg = RETAIN_CONFIGS["dapo"]
+    routes = [  # (source, extra, GRAD_IN_FORWARD_MAX_VOCAB, the advice in the message)
+        ("logits", {}, 65536, "GRAD_IN_FORWARD_MAX_VOCAB = 0"),
+        ("logits", {"inplace_backward": True}, 65536, "inplace_backward=False"),
+        ("logits", {"inplace_backward": True}, 0, "inplace_backward=False"),
+        ("hidden", {}, 65536, "TOKEN_LEVEL_FUSION = False"),
+    ]
+    real_graph_retained = getattr(fn_mod, "graph_retained", None)
+    with rk.use_backend("triton"):
+        for source, extra, vocab_max, advice in routes:
+            monkeypatch.setattr(fused_mod, "GRAD_IN_FORWARD_MAX_VOCAB", vocab_max)
+            # Two backwards without retain_graph: PyTorch's usual error and advice.
+            monkeypatch.setattr(fn_mod, "graph_retained", real_graph_retained, raising=False)
+            with pytest.raises(
+                RuntimeError, match="backward through the graph a second time.*retain_graph=True"
+            ):
+                _grads_after(cfg, p, source, 2, retain=False, **extra)
+            # A torch that cannot tell a retained graph (< 2.5): the memory-saving route every time,
+            # and the second backward explains itself instead of failing obscurely.
+            monkeypatch.setattr(fn_mod, "graph_retained", lambda: None, raising=False)
+            with pytest.raises(RuntimeError, match="cannot tell whether a backward retains.*" + advice):
+                _grads_after(cfg, p, source, 2, **extra)

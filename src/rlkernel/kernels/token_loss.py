@@ -36,9 +36,13 @@ moves (one tiny launch, no host sync). The dispatch rule (V threshold) lives in
 ``rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB``.
 
 Caveats:
-    * NaN in logp, old, advantage, ref, rollout weight or entropy at an active token gives NaN
-      (loss and coefficients) explicitly: Triton's ``minimum``/``maximum`` do not promise NaN
-      propagation. An out-of-range id (``validate=False``) reaches here as a NaN logp.
+    * NaN or ±inf in logp, old (not read by reinforce), advantage, ref or entropy, and NaN in the
+      rollout weight, at an active token give NaN (loss and coefficients) explicitly: Triton's
+      ``minimum``/``maximum`` do not promise NaN propagation, and the log-ratio and k3 clamps would
+      turn ±inf into finite values. An out-of-range id (``validate=False``) reaches here as a NaN
+      logp. The plan makes the rollout weight NaN where old or rollout log-probs are not finite.
+    * A denominator D that is 0, negative or not finite gives NaN at active tokens; inactive tokens
+      write 0 whatever D is, so an all-masked call gives 0 with a global normalizer of 0.
     * The gradient-in-forward buffer is rounded to the logits' dtype in forward and scaled in
       backward: with an upstream gradient ≠ 1 that is two roundings instead of one.
     * ``expm1`` is Kahan's ``(u − 1)·z / log u`` (no libdevice call, so the CPU interpreter runs
@@ -81,6 +85,12 @@ def _expm1(z):
 def _pass(x, lo, hi):
     """1 where clamp(x, lo, hi) passes its gradient (closed interval, as torch.clamp), else 0."""
     return tl.where((x >= lo) & (x <= hi), 1.0, 0.0)
+
+
+@triton.jit
+def _nonfinite(v):
+    """NaN, +inf or −inf (a clamp would turn ±inf into a finite value: the loss makes it NaN)."""
+    return (v != v) | (tl.abs(v) == float("inf"))
 
 
 @triton.jit
@@ -130,7 +140,9 @@ def token_terms(
     ``active`` (the caller does that); NaN inputs give NaN ℓ and g_logp."""
     old = tl.load(old_ptr + offs, mask=active, other=0.0).to(tl.float32)
     a = tl.load(adv_ptr + (seq if ADV_PER_SEQ else offs), mask=active, other=0.0).to(tl.float32)
-    nan_in = (x != x) | (old != old) | (a != a)
+    nan_in = _nonfinite(x) | _nonfinite(a)
+    if LOSS != 3:  # reinforce's −A·logp does not read old
+        nan_in = nan_in | _nonfinite(old)
 
     lr = x - old
     r = tl.exp(tl.clamp(lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
@@ -167,7 +179,7 @@ def token_terms(
         g = g * rho
     if KL != 0:
         ref = tl.load(ref_ptr + offs, mask=active, other=0.0).to(tl.float32)
-        nan_in = nan_in | (ref != ref)
+        nan_in = nan_in | _nonfinite(ref)
         d = x - ref
         if KL == 1:
             kv = d
@@ -198,6 +210,9 @@ def token_terms(
     den = norm_mult
     if HAS_DENOM:
         den = den * tl.maximum(tl.load(denom_ptr).to(tl.float32), denom_floor)
+    # A (global) denominator that is 0, negative or not finite: NaN at active tokens; inactive ones
+    # are stored as 0 by the callers, so an all-masked call gives 0 even with a normalizer of 0.
+    den = tl.where((den > 0) & (den < float("inf")), den, float("nan"))
     if HAS_FACTOR:
         f_idx = seq if FACTOR_PER_SEQ else offs
         w = tl.load(factor_ptr + f_idx, mask=active, other=0.0).to(tl.float32) / den
@@ -207,7 +222,7 @@ def token_terms(
     g_logp = w * g
     g_entropy = -entropy_coef * w
     if HAS_ENTROPY:
-        nan_in = nan_in | (h != h)
+        nan_in = nan_in | _nonfinite(h)
         loss = loss - entropy_coef * w * h
     loss = tl.where(nan_in, float("nan"), loss)
     g_logp = tl.where(nan_in, float("nan"), g_logp)

@@ -85,6 +85,11 @@ Caveats:
     * ``coef_fn`` runs once per chunk on the host; it must not sync (``.item()``), and must be
       elementwise in the rows it is given (token-level losses). Sequence-level losses (GSPO, GMPO)
       use the primitive (4 GEMMs).
+    * The fused loss hands its forward-computed gradients to the last backward (scaled in place);
+      a backward that retains the graph (``retain_graph=True``) gets scaled copies instead, so a
+      second backward accumulates the same gradients again. Telling the two apart needs torch >= 2.5
+      (see ``rlkernel.ops._logprobs_function.graph_retained``); on older torch a second backward
+      raises a RuntimeError saying how to avoid it.
 """
 
 from __future__ import annotations
@@ -372,12 +377,27 @@ class _FusedLinearLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, *_):
+        from rlkernel.ops._logprobs_function import _second_backward_error, graph_retained
+
+        if ctx.grads is None:
+            raise _second_backward_error(
+                "the first backward handed out the gradients computed in the forward (the fused "
+                "hidden-state loss), scaled in place",
+                "use rlkernel.rl.fused.TOKEN_LEVEL_FUSION = False (the 4-GEMM composed path)",
+            )
         dh, dw, db = ctx.grads
-        ctx.grads = None
         w_dtype, b_dtype = ctx.dtypes
         if g_loss is None:
             return (None,) * 9
         scale = g_loss.to(torch.float32)
+        if graph_retained():
+            # Another backward will read the buffers: hand out scaled copies (same numbers: fp32 math,
+            # one rounding to the output dtype) and keep the buffers as they are.
+            dh = None if dh is None else dh * scale
+            dw = None if dw is None else (dw * scale).to(w_dtype)
+            db = None if db is None else (db * scale).to(b_dtype)
+            return dh, dw, db, None, None, None, None, None, None
+        ctx.grads = None  # the buffers become the caller's gradients
         if dh is not None:
             dh = dh.mul_(scale)  # in place, computed in fp32 (opmath); exact for g == 1
         if dw is not None:

@@ -14,6 +14,15 @@ Importing this module imports Triton, which is why the public op imports it lazi
 Caveats:
     * The in-place backward bumps the logits' version counter (``mutates_args``), so an autograd
       node that saved the same logits and runs later raises instead of reading the gradient.
+    * A second backward through a retained graph (``backward(retain_graph=True)``, or
+      ``create_graph=True``) accumulates the same gradients again, as PyTorch's own ops do: a backward
+      that keeps its graph never writes in place (the next one still needs the logits) and never
+      hands out a buffer that the next one reads (the gradient-in-forward buffer is copied); only
+      the last, non-retained backward takes the memory-saving route. This needs
+      ``torch._C._autograd._get_current_graph_task_keep_graph`` (torch >= 2.5); on older torch the
+      in-place / gradient-in-forward routes are taken every time, and a second backward raises a
+      RuntimeError that says how to avoid it (``inplace_backward=False``, or
+      ``rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB = 0``).
     * Inside ``torch.compile`` the in-place option falls back to the out-of-place kernel
       (``_INPLACE_UNDER_COMPILE``). With torch 2.13 on CPU, AOTAutograd does trace the mutation of a
       forward input in backward (``auto_functionalized_v2``, then re-inplaced by Inductor when the
@@ -29,6 +38,33 @@ from rlkernel.kernels import logprobs as kernels
 
 # Whether inplace_backward=True also writes in place inside torch.compile'd code (see Caveats).
 _INPLACE_UNDER_COMPILE = False
+
+
+def graph_retained() -> bool | None:
+    """Whether the backward running now keeps its graph for another backward (``retain_graph=True``
+    or ``create_graph=True``): then a Function must neither overwrite what it saved nor hand out a
+    buffer it reads again. ``None`` when this torch cannot tell (before 2.5)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return None if keep_graph is None else bool(keep_graph())
+
+
+def _second_backward_error(what: str, avoid: str) -> RuntimeError:
+    """The error of a backward that finds its state consumed by an earlier one: ``what`` says how
+    it was consumed, ``avoid`` how to run two backwards all the same."""
+    if graph_retained() is None:
+        return RuntimeError(
+            f"a second backward through this graph is not supported on this torch: {what}, and this "
+            "torch cannot tell whether a backward retains its graph (torch >= 2.5 can, and then "
+            f"supports retain_graph=True); to backward twice, {avoid}"
+        )
+    return RuntimeError(
+        "Trying to backward through the graph a second time, but the previous backward did not "
+        f"retain it ({what}): pass retain_graph=True to every backward but the last"
+    )
+
+
+_INPLACE_AVOID = "pass inplace_backward=False"
+_INPLACE_WHAT = "the first backward wrote the logits gradient into the logits (inplace_backward=True)"
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -132,6 +168,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
         fwd = torch.ops.rlkernel.token_logprobs_fwd if torch.compiler.is_compiling() else _fwd_op._init_fn
         logp, entropy, lse = fwd(x, token_ids, temperature, ignore_index, return_entropy)
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
+        ctx.overwritten = False  # set once a backward has written the gradient into the logits
         # In place, the gradient *is* the saved logits: save a detached alias (same storage and
         # version counter) so that the returned gradient does not itself require grad.
         ctx.save_for_backward(x.detach() if ctx.inplace_backward else x, token_ids, lse, entropy)
@@ -147,6 +184,8 @@ class TokenLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
+        if ctx.overwritten:
+            raise _second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         x, token_ids, lse, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             grad_entropy = None
@@ -154,7 +193,10 @@ class TokenLogprobsFunction(torch.autograd.Function):
             return None, None, None, None, None, None
         args = (x, token_ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
         compiling = torch.compiler.is_compiling()
-        if ctx.inplace_backward and (_INPLACE_UNDER_COMPILE or not compiling):
+        inplace = ctx.inplace_backward and (_INPLACE_UNDER_COMPILE or not compiling)
+        if inplace and not compiling and graph_retained():
+            inplace = False  # the retained graph runs this backward again: keep the logits intact
+        if inplace:
             if compiling:
                 torch.ops.rlkernel.token_logprobs_bwd_inplace(*args)
             else:
@@ -162,6 +204,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
                 # What the dispatcher does for an op declared mutating: a later backward that saved
                 # these logits then raises instead of silently reading the gradient.
                 torch.autograd.graph.increment_version(x)
+                ctx.overwritten = True
             grad = x
         else:
             grad = (torch.ops.rlkernel.token_logprobs_bwd if compiling else _bwd_op._init_fn)(*args)
@@ -210,6 +253,7 @@ class TokenLossFunction(torch.autograd.Function):
         logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, plan.scalars["ignore_index"], want_entropy)
         terms = token_loss(plan, logp, entropy if want_entropy else None, backend="triton")
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
+        ctx.overwritten = False  # set once a backward has written the gradient into the logits
         ctx.save_for_backward(
             x.detach() if ctx.inplace_backward else x,
             ids,
@@ -229,9 +273,13 @@ class TokenLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_logp_unused, grad_entropy_unused):
         if not ctx.needs_input_grad[0] or grad_loss is None:
             return None, None, None, None
+        if ctx.overwritten:
+            raise _second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         x, ids, lse, g_logp, entropy, g_entropy = ctx.saved_tensors
         scale = grad_loss.detach().reshape(1).to(device=x.device, dtype=torch.float32)
-        grad = x if ctx.inplace_backward else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        # A retained graph will run this backward again: the logits must stay intact until the last.
+        inplace = ctx.inplace_backward and not graph_retained()
+        grad = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         kernels._token_logprobs_bwd(
             x,
             ids,
@@ -244,8 +292,9 @@ class TokenLossFunction(torch.autograd.Function):
             ignore_index=ctx.ignore_index,
             grad_scale=scale,
         )
-        if ctx.inplace_backward:
+        if inplace:
             torch.autograd.graph.increment_version(x)
+            ctx.overwritten = True
         return grad, None, None, None
 
 
@@ -262,7 +311,10 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
     lse, computes the token's loss coefficients in-kernel, and streams the row again (mostly from L2
     when the row is small) writing dL/dlogits for an upstream gradient of 1 into a new buffer.
     Backward: a sync-free in-place rescale by the upstream gradient that touches no memory when it
-    is 1. Saved state: that gradient (``[N, V]``, the logits' dtype), allocated in forward.
+    is 1. Saved state: that gradient (``[N, V]``, the logits' dtype), allocated in forward. The last
+    backward hands the buffer itself to autograd; a backward that retains the graph hands out a
+    rescaled copy and keeps the buffer for the next one (so a second backward accumulates the same
+    gradient again).
 
     Returns ``(loss, logp, entropy)``; ``logp``/``entropy`` are non-differentiable (for metrics).
     """
@@ -289,9 +341,15 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
             return None, None, None
         grad = ctx.grad
         if grad is None:
-            raise RuntimeError("the gradient-in-forward loss was already backpropagated (retain_graph)")
-        ctx.grad = None  # the buffer becomes the caller's gradient: a second backward must not rescale it
+            raise _second_backward_error(
+                "the first backward handed out the gradient computed in the forward (the fused loss's "
+                "gradient-in-forward path, V <= rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB)",
+                "set rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB = 0 (the 3-pass path)",
+            )
         scale = grad_loss.detach().reshape(1).to(device=grad.device, dtype=torch.float32)
+        if graph_retained():  # another backward will read the buffer: hand out a rescaled copy
+            return tl_kernels.scale_(grad.clone(), scale), None, None
+        ctx.grad = None  # the buffer becomes the caller's gradient: a second backward must not rescale it
         return tl_kernels.scale_(grad, scale), None, None
 
 

@@ -69,10 +69,13 @@ def token_logprobs(
             backward instead of a new ``[..., V]`` tensor (saves one logits-sized allocation). The
             logits (and, for a view such as ``logits[:, :-1]``, the tensor it views) are
             overwritten, so neither you nor another autograd node may read them after backward;
-            an autograd node that saved them and runs later, or a second backward through the same
-            graph, raises on the version check. Ignored on the reference path (CPU, fp64,
-            ``RLKERNEL_BACKEND=reference``) and inside ``torch.compile``, where the out-of-place
-            kernel runs.
+            an autograd node that saved them and runs later raises on the version check. A
+            backward that retains the graph (``retain_graph=True``) writes out of place, so a
+            second backward accumulates the same gradient again; only the last one writes in place
+            (torch >= 2.5; older torch cannot tell, writes in place every time, and a second
+            backward raises a RuntimeError that says to pass ``inplace_backward=False``). Ignored
+            on the reference path (CPU, fp64, ``RLKERNEL_BACKEND=reference``) and inside
+            ``torch.compile``, where the out-of-place kernel runs.
 
     Returns:
         ``logp`` float32 ``[...]``, or ``(logp, entropy)``; float64 for float64 logits.

@@ -13,8 +13,11 @@ rules (clamp passes the gradient on the closed interval; maximum/minimum split i
 result matches ``rlkernel.policy_loss`` under autograd; the tests check that.
 
 Caveats:
-    * Inactive tokens (``ids == ignore_index``) give exactly 0 everywhere; NaN in an active token's
-      inputs gives NaN (loss and g_logp).
+    * Inactive tokens (``ids == ignore_index``) give exactly 0 everywhere; NaN or ±inf in an active
+      token's inputs gives NaN (loss and g_logp): logp, adv, old (except for reinforce, whose loss
+      does not read it), ref (with KL), entropy (with an entropy term); a NaN rollout weight (the
+      plan makes it NaN for non-finite old/rollout log-probs). A denominator that is 0, negative or
+      not finite gives NaN at active tokens (and 0 at inactive ones).
 """
 
 from __future__ import annotations
@@ -134,8 +137,13 @@ def token_loss(
     def get(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.where(active, t.to(f32), 0.0)
 
+    def bad(t: torch.Tensor) -> torch.Tensor:
+        return ~torch.isfinite(t)
+
     x, old_, a = get(logp), get(old), get(adv)
-    nan_in = x.isnan() | old_.isnan() | a.isnan()
+    nan_in = bad(x) | bad(a)
+    if loss != "reinforce":  # −A·logp does not read old
+        nan_in |= bad(old_)
     lr = x - old_
     r = torch.exp(lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     dr = r * _pass(lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
@@ -146,19 +154,22 @@ def token_loss(
         pol, g = pol * rho, g * rho
     if kl is not None:
         ref_ = get(ref)
-        nan_in |= ref_.isnan()
+        nan_in |= bad(ref_)
         kv, kg = _kl(kl, x - ref_, kl_straight)
         pol, g = pol + kl_coef * kv, g + kl_coef * kg
     den = torch.tensor(norm_mult, dtype=f32, device=x.device)
     if denom is not None:
         den = den * denom.to(device=x.device, dtype=f32).clamp_min(denom_floor)
+    # A (global) denominator that is 0, negative or not finite: NaN for active tokens; inactive ones
+    # stay 0, so an all-masked call gives 0 even with a normalizer of 0.
+    den = torch.where(torch.isfinite(den) & (den > 0), den, float("nan"))
     w = (get(factor) if factor is not None else torch.ones_like(x)) / den
     loss_t = w * pol
     g_logp = w * g
     g_entropy = None
     if entropy is not None:
         h = get(entropy)
-        nan_in |= h.isnan()
+        nan_in |= bad(h)
         loss_t = loss_t - entropy_coef * w * h
         g_entropy = torch.where(active, -entropy_coef * w, 0.0)
     nan = torch.full_like(x, float("nan"))

@@ -121,14 +121,34 @@ def _check_inputs(rewards, group_size, group_ids, estimator, eps, token_counts) 
             raise ValueError(
                 f"token_counts is only used by estimator='reinforce_pp_baseline', got {estimator!r}"
             )
-        check.tensor("token_counts", token_counts)
-        if token_counts.dtype == torch.bool:
-            raise TypeError(
-                f"token_counts must be an integer or float tensor, got {check.describe(token_counts)}"
-            )
-        check.same_shape("token_counts", token_counts, "rewards", rewards.shape)
-        check.same_device("token_counts", token_counts, "rewards", rewards.device)
+        _check_token_counts(token_counts, rewards)
     return rewards
+
+
+def _check_token_counts(token_counts: object, rewards: torch.Tensor) -> None:
+    """Token counts are weights of the whitening: real (int or float, not bool or complex), the shape
+    and device of ``rewards``, finite and >= 0 (a negative count turns the weighted variance into
+    nonsense, e.g. advantages of ±500; one host sync, like the rest of this per-step function)."""
+    counts = check.tensor("token_counts", token_counts)
+    if counts.dtype not in check.INT_DTYPES and counts.dtype not in check.FLOAT_DTYPES:
+        raise TypeError(
+            f"token_counts must be an integer or float tensor (response-token counts), got "
+            f"{check.describe(counts)}"
+        )
+    check.same_shape("token_counts", counts, "rewards", rewards.shape)
+    check.same_device("token_counts", counts, "rewards", rewards.device)
+    if counts.numel() == 0:
+        return
+    values = counts.detach()
+    bad = values < 0
+    if values.is_floating_point():
+        bad |= ~torch.isfinite(values)
+    if bool(bad.any()):
+        first = values[bad][0].item()
+        raise ValueError(
+            f"token_counts must be finite and >= 0 (response-token counts), got {int(bad.sum())} bad "
+            f"value(s) (first: {first})"
+        )
 
 
 @torch.no_grad()
@@ -150,17 +170,18 @@ def group_advantages(
             ``group_size`` and ``group_ids``.
         estimator: ``grpo | dr_grpo | rloo | reinforce_pp_baseline`` (see the module docstring).
         eps: ≥ 0; added to σ (grpo) or to the variance inside the square root (whitening).
-        token_counts: ``[B]`` int/float response-token counts, ``reinforce_pp_baseline`` only:
-            whiten with token weights as verl does.
+        token_counts: ``[B]`` int/float response-token counts (finite, >= 0), ``reinforce_pp_baseline``
+            only: whiten with token weights as verl does. Checking them costs one host sync.
 
     Returns:
         ``[B]`` float32 advantages, no gradient (computed in float64).
 
     Raises:
-        TypeError: non-float rewards, non-int group_ids, wrong argument types.
+        TypeError: non-float rewards, non-int group_ids, token_counts not an int/float tensor (bool,
+            complex), wrong argument types.
         ValueError: rewards not 1-D, both or neither of group_size/group_ids, group_size not dividing
-            B, shape/device mismatches, unknown estimator, negative eps, token_counts with another
-            estimator.
+            B, shape/device mismatches, unknown estimator, eps negative or not finite, token_counts
+            with another estimator, token_counts negative or not finite.
     """
     rewards = _check_inputs(rewards, group_size, group_ids, estimator, eps, token_counts)
     r = rewards.detach().to(torch.float64)

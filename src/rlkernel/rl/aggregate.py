@@ -21,8 +21,10 @@ Aggregation (m = active-token mask, ℓ = per-token loss, n_i = Σ_t m_it, seqs 
 
 With global normalizers (the counts of the whole optimizer step, over all micro-batches and
 data-parallel ranks) each micro-batch's loss is its share of the step's loss: the losses, and their
-gradients, add up to those of the whole step. Without them the counts are local, and an empty batch
-(no active token) gives exactly 0 rather than 0/0.
+gradients, add up to those of the whole step. An empty batch (no active token) gives exactly 0
+rather than 0/0, with local counts and with global ones: a global normalizer of 0 (a step that is
+all-masked on every rank) included. A global normalizer that is 0, negative or not finite while the
+batch has active tokens is inconsistent with it, and gives NaN.
 
 Caveats:
     * Packed input is padded to ``[S, L]``; for very uneven lengths that is up to S·L elements per
@@ -112,6 +114,19 @@ def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, 0.0)  # a Python scalar: no 0-dim tensor (and no kernel) per call
 
 
+def finite_or_nan(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every ±inf replaced by NaN (NaN stays NaN, finite values keep their bits).
+
+    The RL algebra clamps log-ratios and KL values (verl's guards), and a clamp turns ±inf into a
+    finite number: an input that was inf would silently become an ordinary-looking loss. Passing
+    inputs through this first makes them NaN instead, which every later op propagates. The gradient
+    passes through unchanged (the NaN branch is ``x + nan``, not a constant), so a token with a
+    non-finite input also gets a NaN gradient rather than a silent 0.
+    """
+    finite = torch.isfinite(x.detach())
+    return torch.where(finite, x, x + float("nan") if x.requires_grad else float("nan"))
+
+
 def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[S, L]`` → ``[S]``: Σ_t m_it x_it."""
     return masked(x, mask).sum(-1)
@@ -132,12 +147,26 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked(x, mask).sum() / mask.sum().to(x.dtype).clamp_min(1)
 
 
-def _as_scalar(value: Normalizer, like: torch.Tensor) -> torch.Tensor | float:
-    if isinstance(value, torch.Tensor):
-        # A CPU 0-dim tensor combines with a CUDA tensor without a copy; keep it where it is.
-        device = like.device if value.device == like.device else value.device
-        return value.to(device=device, dtype=like.dtype)
-    return float(value)
+def _global_divisor(value: Normalizer, like: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | float:
+    """A global normalizer as the divisor of the aggregation.
+
+    Itself when it is finite and > 0. When this call has no active token the loss is exactly 0
+    whatever the normalizer (a normalizer of 0, as ``global_normalizers`` returns for a step that is
+    all-masked on every rank, divides by 1 instead of giving 0/0 = NaN). A normalizer that is 0,
+    negative or not finite while this call has active tokens does not count them: the divisor is
+    NaN, so the loss is NaN rather than silently wrong (a tensor's value cannot be checked on the
+    host without a sync; a Python number < 0 or not finite is rejected by the argument checks).
+    """
+    if not isinstance(value, torch.Tensor):
+        value = float(value)
+        if value > 0:  # the common case: no tensor op
+            return value
+        return torch.where(mask.any(), float("nan"), 1.0).to(like.dtype)
+    # A CPU 0-dim tensor combines with a CUDA tensor without a copy; keep it where it is.
+    device = like.device if value.device == like.device else value.device
+    value = value.to(device=device, dtype=like.dtype)
+    valid = torch.isfinite(value) & (value > 0)
+    return torch.where(valid, value, torch.where(mask.any(), float("nan"), 1.0).to(like.dtype))
 
 
 def aggregate(
@@ -165,20 +194,23 @@ def aggregate(
         width: L, the padded width (used only as the default ``norm_length``).
 
     Returns:
-        0-dim tensor of ``loss.dtype``; exactly 0 (with zero gradients) when nothing is active and
-        the normalizers are local.
+        0-dim tensor of ``loss.dtype``; exactly 0 (with zero gradients) when nothing is active, with
+        local or global normalizers (a global normalizer of 0 included). A global normalizer that
+        is 0, negative or not finite while tokens are active gives NaN.
     """
     dtype = loss.dtype
     if mode == "token-mean":
         tokens = (
-            mask.sum().to(dtype).clamp_min(1) if global_tokens is None else _as_scalar(global_tokens, loss)
+            mask.sum().to(dtype).clamp_min(1)
+            if global_tokens is None
+            else _global_divisor(global_tokens, loss, mask)
         )
         return masked(loss, mask).sum() / tokens
     counts = seq_count(mask, dtype)
     if global_seqs is None:
         seqs = (counts > 0).sum().to(dtype).clamp_min(1)
     else:
-        seqs = _as_scalar(global_seqs, loss)
+        seqs = _global_divisor(global_seqs, loss, mask)
     if mode == "seq-mean-token-mean":
         return (seq_sum(loss, mask) / counts.clamp_min(1)).sum() / seqs
     if mode == "seq-mean-token-sum":

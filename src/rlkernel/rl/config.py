@@ -85,6 +85,31 @@ ROLLOUT_CORRECTIONS: tuple[str, ...] = ("token_tis", "seq_tis", "token_mis", "se
 # Loss types with PPO's extra knobs (dual clip, delta).
 _PPO_ONLY = ("ppo",)
 
+# The numeric fields (checked for the float32 range) and those that must be > 0.
+_FLOAT_FIELDS = (
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "delta",
+    "kl_coef",
+    "entropy_coef",
+    "rollout_clip_min",
+    "rollout_clip_max",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+)
+_POSITIVE_FIELDS = (
+    "dual_clip",
+    "delta",
+    "rollout_clip_min",
+    "rollout_clip_max",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+)
+# The largest norm_length: a token length (int32), exactly an int64 and a float32-range number
+# wherever the loss multiplies by it.
+NORM_LENGTH_MAX = 2**31 - 1
+
 
 def _optional(check_fn, name: str, value: object) -> Any:
     return None if value is None else check_fn(name, value)
@@ -105,8 +130,8 @@ class PolicyLossConfig:
             two-sided GRPO ``delta``).
         aggregation: ``token-mean | seq-mean-token-mean | seq-mean-token-sum |
             seq-mean-token-sum-norm``.
-        norm_length: the constant length of ``seq-mean-token-sum-norm`` (int > 0); ``None`` uses the
-            padded width (packed input: the longest sequence).
+        norm_length: the constant length of ``seq-mean-token-sum-norm`` (int in [1, 2**31 − 1]);
+            ``None`` uses the padded width (packed input: the longest sequence).
         kl_coef: weight ≥ 0 of the per-token KL penalty against ``ref_logp`` (> 0 requires
             ``ref_logp``).
         kl_estimator: ``k1 | k2 | k3 | abs | k1+ | k3+`` or a verl alias (``kl``, ``mse``,
@@ -120,9 +145,16 @@ class PolicyLossConfig:
         sapo_tau_pos: SAPO temperature (> 0) where A > 0.
         sapo_tau_neg: SAPO temperature (> 0) where A ≤ 0.
 
+    Every number must also be usable in float32, where the loss is computed: a magnitude at most
+    the largest float32 (~3.4e38), and a positive field (``dual_clip``, ``delta``, the rollout
+    bounds, the SAPO temperatures) at least the smallest normal float32 (~1.2e-38).
+
     Raises:
-        TypeError: a field of the wrong type (e.g. a string clip bound, a bool).
-        ValueError: a value out of range or an unknown name; the message names the field.
+        TypeError: a field of the wrong type (e.g. a string clip bound, a bool, a float
+            ``norm_length``).
+        ValueError: a value out of range (negative, NaN, inf, an int too large for a float, beyond
+            the float32 range, ``norm_length`` above 2**31 − 1) or an unknown name; the message
+            names the field.
     """
 
     loss_type: LossType = "ppo"
@@ -145,13 +177,24 @@ class PolicyLossConfig:
         check.choice("loss_type", self.loss_type, LOSS_TYPES)
         check.choice("aggregation", self.aggregation, AGGREGATIONS)
         self._check_clips()
-        _optional(check.positive_int, "norm_length", self.norm_length)
+        if self.norm_length is not None:
+            check.positive_int("norm_length", self.norm_length, maximum=NORM_LENGTH_MAX)
         check.nonneg_float("kl_coef", self.kl_coef)
         canonical_kl_estimator(self.kl_estimator, "kl_estimator")
         check.finite_float("entropy_coef", self.entropy_coef)
         self._check_rollout()
         check.positive_float("sapo_tau_pos", self.sapo_tau_pos)
         check.positive_float("sapo_tau_neg", self.sapo_tau_neg)
+        self._check_fp32()
+
+    def _check_fp32(self) -> None:
+        """Every number must survive the float32 math (and the kernels' float32 scalars) as it is:
+        a value beyond the float32 range would become inf there, a positive one below the smallest
+        normal float32 would become 0 (or lose its precision)."""
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                check.fp32_float(name, float(value), positive=name in _POSITIVE_FIELDS)
 
     def _check_clips(self) -> None:
         if self.clip_low is None:

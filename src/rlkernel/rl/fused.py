@@ -156,13 +156,16 @@ def fused_policy_loss(
         ``bias``.
 
     Raises:
-        TypeError: wrong dtypes or types (as the primitives and ``policy_loss`` do).
+        TypeError: wrong dtypes or types (as the primitives and ``policy_loss`` do), ``validate``
+            or ``inplace_backward`` not a bool.
         ValueError: both or neither of ``logits``/``hidden``, ``weight`` missing with ``hidden``,
             ``weight``/``bias``/``tp_group`` with ``logits``, shape/device mismatches, active ids
             out of range, and everything ``policy_loss`` rejects.
     """
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    check.boolean("validate", validate)
+    check.boolean("inplace_backward", inplace_backward)
     _check_source(logits, hidden, weight, bias, tp_group)
     ids, active = _masked_ids(token_ids, mask)
     tp = tp_group is not None

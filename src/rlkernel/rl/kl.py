@@ -28,6 +28,8 @@ Caveats:
       ``exp(−d) − 1 + d`` loses everything to cancellation (error ~ε = 6e-8 in fp32, more than the
       value itself for |d| < 3e-4).
     * ref_logp is detached: the reference policy is frozen, gradients flow into ``logp`` only.
+    * Non-finite input: NaN or ±inf in ``logp`` or ``ref_logp`` gives NaN at that element (±inf is
+      made NaN before the clamps, which would otherwise hide it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Literal
 import torch
 
 from rlkernel import _validate as check
+from rlkernel.rl.aggregate import finite_or_nan
 
 KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k3+")
@@ -93,7 +96,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
     Returns:
         ``[...]`` float32 (float64 for float64 ``logp``), elementwise; no masking is applied
-        (garbage in, garbage out per element: mask it with ``torch.where`` downstream).
+        (mask it with ``torch.where`` downstream). An element where ``logp`` or ``ref_logp`` is
+        NaN, +inf or −inf is NaN for every estimator (the k3 clamps do not turn it into a finite
+        value).
 
     Raises:
         TypeError: non-floating-point inputs.
@@ -103,4 +108,5 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     check.float_like("ref_logp", ref_logp, "logp", logp)
     name = canonical_kl_estimator(estimator)
     dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    return kl_terms(logp.to(dtype), ref_logp.to(dtype), name)
+    # ±inf becomes NaN first: the k3 clamps would turn it into a finite value.
+    return kl_terms(finite_or_nan(logp.to(dtype)), finite_or_nan(ref_logp.detach().to(dtype)), name)

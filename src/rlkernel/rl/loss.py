@@ -11,7 +11,15 @@ estimator (:mod:`rlkernel.rl.kl`) and ``agg`` the configured aggregation with it
 Masking: a token is active where ``mask != 0``. Every input is passed through ``torch.where`` with the
 mask before any arithmetic, so NaN/inf garbage at masked positions (padding, prompt tokens) never
 reaches the loss or the gradients, masked tokens get exactly 0 gradient, and an all-masked batch
-gives loss 0 and zero gradients. NaN at an *active* position propagates to a NaN loss.
+gives loss 0 and zero gradients, with or without global normalizers (a global normalizer of 0, the
+count of a step that is all-masked everywhere, included).
+
+Non-finite input: NaN, +inf or −inf at an *active* position of an input the loss reads (``logp``,
+``advantages``, ``old_logp`` — except for ``reinforce``, whose loss −A·logp does not read it —,
+``ref_logp`` when ``kl_coef > 0``, ``rollout_logp`` with a rollout correction, ``entropy`` when
+``entropy_coef != 0``) gives a NaN loss, never a finite one. ±inf is turned into NaN before any
+arithmetic: otherwise the log-ratio clamp (±20), the k3 clamps or a rollout weight truncated or
+rejected to a finite value would absorb it. The metrics that read such an input are NaN too.
 
 Metrics (detached 0-dim tensors, no host sync; over the active tokens of this call; 0 when none):
 
@@ -47,7 +55,15 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel.rl import objectives, rollout
-from rlkernel.rl.aggregate import Normalizer, Segments, aggregate, masked, masked_mean, seq_mean
+from rlkernel.rl.aggregate import (
+    Normalizer,
+    Segments,
+    aggregate,
+    finite_or_nan,
+    masked,
+    masked_mean,
+    seq_mean,
+)
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator, kl_terms
 
@@ -126,10 +142,10 @@ def _advantages(
     adv = check.float_tensor("advantages", advantages).detach()
     check.same_device("advantages", adv, "logp", logp.device)
     if adv.shape == logp.shape:
-        tokens = masked(seg.to_padded(adv).to(dtype), mask)
+        tokens = masked(finite_or_nan(seg.to_padded(adv).to(dtype)), mask)
         return tokens, seq_mean(tokens, mask)
     if adv.dim() == 1 and adv.shape[0] == seg.n_seqs:
-        per_seq = masked(adv.to(dtype), mask.any(-1))
+        per_seq = masked(finite_or_nan(adv.to(dtype)), mask.any(-1))
         return masked(per_seq[:, None].expand(mask.shape), mask), per_seq
     raise ValueError(
         f"advantages must have shape ({seg.n_seqs},) (one per sequence) or {tuple(logp.shape)} "
@@ -161,10 +177,11 @@ def _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entr
     active = seg.to_padded(mask != 0, fill=False)
 
     def padded(x: torch.Tensor | None, *, constant: bool = True) -> torch.Tensor | None:
+        # ±inf at an active position becomes NaN (the clamps of the algebra would hide it).
         if x is None:
             return None
         x = x.detach() if constant else x
-        return masked(seg.to_padded(x).to(dtype), active)
+        return masked(finite_or_nan(seg.to_padded(x).to(dtype)), active)
 
     adv, adv_seq = _advantages(advantages, logp, seg, active, dtype)
     return _Batch(
@@ -209,10 +226,13 @@ def policy_loss(
         rollout_logp: the rollout engine's log-probs, required when ``cfg.rollout_correction`` is
             set; constant.
         entropy: per-token entropy (differentiable), required when ``cfg.entropy_coef != 0``.
-        global_tokens: normalizer of ``token-mean`` for the whole step (int, float or 0-dim tensor);
-            the local active-token count when ``None``.
-        global_seqs: normalizer of the ``seq-mean-*`` modes for the whole step; the local count of
-            sequences with an active token when ``None``.
+        global_tokens: normalizer of ``token-mean`` for the whole step (int, float or 0-dim tensor,
+            >= 0); the local active-token count when ``None``. 0 (a step with no active token on
+            any rank) gives loss 0 for this all-masked call; a tensor that is 0 while this call has
+            active tokens, negative or not finite gives a NaN loss (it cannot be checked on the
+            host without a sync).
+        global_seqs: normalizer of the ``seq-mean-*`` modes for the whole step (same rules); the
+            local count of sequences with an active token when ``None``.
         cu_seqlens: int ``[S + 1]`` cumulative lengths (0, …, N) for packed input; ``None`` for
             padded input.
 
@@ -223,7 +243,8 @@ def policy_loss(
     Raises:
         TypeError: a non-tensor or wrong-dtype input, ``cfg`` not a ``PolicyLossConfig``.
         ValueError: shape/device mismatches, bad ``cu_seqlens``, a missing ``ref_logp`` /
-            ``entropy`` / ``rollout_logp`` that ``cfg`` needs, a non-positive normalizer.
+            ``entropy`` / ``rollout_logp`` that ``cfg`` needs, a negative or non-finite number as
+            a normalizer.
     """
     batch = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entropy, cu_seqlens)
     global_tokens = check.normalizer("global_tokens", global_tokens, logp.device)

@@ -30,6 +30,9 @@ Caveats (verl's numerical guards, reproduced):
     * gmpo follows verl's ``geo_mean`` exactly, including tokens with A = 0 contributing lr' = 0 to
       the geometric mean (they pull s_i towards 1) and clipping decided per token by sign(A).
     * The value at a masked position is finite but meaningless; the aggregation masks it.
+    * The clamps above bound finite drift only: ``policy_loss`` turns ±inf inputs at active
+      positions into NaN before they get here, so a clamp never turns an infinite log-prob into a
+      finite loss.
 """
 
 from __future__ import annotations

@@ -34,7 +34,10 @@ Caveats:
       matters without an upper bound.
     * verl's ``geo_mean`` adds 1e-10 inside the log of each token weight; here a rejected token
       (w = 0) makes the sequence weight exactly 0.
-    * NaN in ``rollout_logp`` at an active token gives a NaN weight (never silently rejected).
+    * NaN in ``rollout_logp`` (or ``old_logp``) at an active token gives a NaN weight (never silently
+      truncated or rejected). Its callers (``policy_loss``, the fused plan) turn ±inf log-probs
+      into NaN first, so those give a NaN weight too rather than a weight of 0 or ``max``. A ρ that
+      overflows to inf from *finite* log-probs is truncated or rejected as any large ρ is.
 """
 
 from __future__ import annotations

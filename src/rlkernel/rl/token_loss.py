@@ -41,7 +41,7 @@ from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel.reference import token_loss as ref_impl
 from rlkernel.rl import rollout
-from rlkernel.rl.aggregate import Segments
+from rlkernel.rl.aggregate import Segments, finite_or_nan
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator
 
@@ -254,8 +254,9 @@ def build_plan(
 
     rollout_w = None
     if cfg.rollout_correction is not None:
-        old2 = seg.to_padded(old_logp.detach().to(torch.float32))
-        roll2 = seg.to_padded(rollout_logp.detach().to(torch.float32))
+        # ±inf becomes NaN (a truncated or rejected weight would hide it), as in policy_loss.
+        old2 = finite_or_nan(seg.to_padded(old_logp.detach().to(torch.float32)))
+        roll2 = finite_or_nan(seg.to_padded(rollout_logp.detach().to(torch.float32)))
         weights = rollout.rollout_weights(
             old2, roll2, act2, cfg.rollout_correction, cfg.rollout_clip_min, cfg.rollout_clip_max
         )
