@@ -476,7 +476,7 @@ def vocab_parallel_linear_token_logprobs(
     vocab_start = sum(row[_F["vocab_local"]] for row in table[:rank])
     n = ids.numel()
     lead = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = hidden.reshape(lead.numel(), hidden.shape[-1])  # rows by count: H may be 0
     half = _half_gemm(weight)
     kernels = _use_kernels(h, half)
     if chunk_rows is None:

@@ -156,7 +156,7 @@ def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
         return kernels.linear_forward(x, weight, bias)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(lead.numel(), x.shape[-1])  # rows by count, not -1: K may be 0
     if wants_grad:
         out = _LinearFunction.apply(x2, weight, bias, backend)
     else:

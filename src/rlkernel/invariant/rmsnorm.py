@@ -109,7 +109,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         from rlkernel.kernels import rmsnorm as kernels
 
         return kernels.rms_norm_forward(x, weight, float(eps))
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
     if wants_grad:
         out = _RMSNormFunction.apply(x2, weight.contiguous(), eps)
     else:

@@ -267,7 +267,8 @@ def _options(chunk_rows, grad_rows, logits_dtype, dweight_accum):
 
 
 def _flatten(hidden, token_ids):
-    return hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1).long()
+    # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
+    return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), token_ids.reshape(-1).long()
 
 
 def linear_token_logprobs_triton(

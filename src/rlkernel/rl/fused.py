@@ -171,8 +171,16 @@ def fused_policy_loss(
         # error, not a silently dropped token. The primitive then skips its own (second) sync.
         if logits is not None:
             vocab = check.float_tensor("logits", logits, min_dim=1).shape[-1]
+            if vocab < 1:  # the primitive's own message, before the ids are blamed for it
+                raise ValueError(
+                    f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}"
+                )
         else:
             vocab = check.float_tensor("weight", weight, min_dim=1).shape[0]
+            if vocab < 1:
+                raise ValueError(
+                    f"weight must have at least one vocabulary row, got {check.describe(weight)}"
+                )
         check.token_ids_in_range(
             "token_ids (at active mask positions)",
             torch.where(active, token_ids, 0),
