@@ -79,6 +79,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlkernel._autocast import without_autocast
 from rlkernel._distributed_checks import (
     _F,
     _check_global_range,
@@ -233,6 +234,7 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, local, owned, active, lse, entropy, kernel_ids = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -405,6 +407,7 @@ def _default_chunk_rows(vocab_local: int, n: int, dtype: torch.dtype, kernels: b
 
 
 # --------------------------------------------------------------------------------- public API
+@without_autocast
 def vocab_parallel_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

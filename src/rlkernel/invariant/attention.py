@@ -57,6 +57,7 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.reference import attention as ref
 
 MAX_HEAD_DIM = 256
@@ -147,6 +148,7 @@ class _AttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse, key_start, cu_q, cu_k = ctx.saved_tensors
         args = (grad_out.contiguous(), q, k, v, out, lse, key_start, cu_q, cu_k, ctx.max_seqlen_q, ctx.scale)
@@ -218,6 +220,7 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
     return max_seqlen_q
 
 
+@without_autocast
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

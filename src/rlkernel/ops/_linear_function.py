@@ -94,6 +94,7 @@ from typing import Literal
 
 import torch
 
+from rlkernel._autocast import without_autocast
 from rlkernel.ops._linear_engine import (  # noqa: F401 - _mm_out_dtype_supported: re-exported
     _dweight_buffer,
     _Engine,
@@ -208,6 +209,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         temperature, ignore_index, return_entropy, opts = ctx.args
@@ -372,6 +374,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         return (loss, *outs)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, g_loss, *_):
         dh, dw, db = ctx.grads
         ctx.grads = None

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from rlkernel._autocast import without_autocast
+
 # One chunk of fp32 logits is at most this many bytes (see ``chunk_rows_for``).
 CHUNK_BYTES = 64 * 2**20
 
@@ -148,6 +150,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, ids, active = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]

@@ -43,6 +43,7 @@ from typing import Literal
 import torch
 
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
@@ -132,6 +133,7 @@ def _check_inputs(rewards, group_size, group_ids, estimator, eps, token_counts) 
 
 
 @torch.no_grad()
+@without_autocast
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,

@@ -41,6 +41,7 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.ops.logprobs import (
     _check_common,
     check_linear_inputs,
@@ -112,6 +113,7 @@ def _check_source(logits, hidden, weight, bias, tp_group) -> None:
         raise ValueError("weight (the [V, H] LM head) is required with hidden")
 
 
+@without_autocast
 def fused_policy_loss(
     cfg: PolicyLossConfig,
     *,
