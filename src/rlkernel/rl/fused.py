@@ -16,8 +16,9 @@ not run under autograd: a plan of per-token constants is built with a few torch 
     backward  one log-prob backward launch, scaled in-kernel by the upstream gradient
 
 instead of ~100 small autograd launches (1.8–2.0 ms of host time per call at N = 8192 on an H100).
-With ``GRAD_IN_FORWARD_MAX_VOCAB`` (off by default) small vocabularies instead write the gradient
-during the forward (2 passes over the logits) and the backward only rescales it.
+For V <= ``GRAD_IN_FORWARD_MAX_VOCAB`` (65,536 by default; 0 turns it off), when the logits require
+grad and ``inplace_backward`` is off, the gradient is instead written during the forward (2 passes
+over the logits) and the backward only rescales it.
 gspo, gspo_token and gmpo (sequence-coupled gradients), the hidden-state path, fp64 logits, the
 reference backend and ``torch.compile`` tracing keep the composed path. Both give the same loss,
 gradients (to fp32 rounding) and metrics.
