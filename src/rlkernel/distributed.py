@@ -91,8 +91,11 @@ from rlkernel._distributed_checks import (
     _raise_for,
     _verdict,
 )
-from rlkernel.normalizers import global_normalizers  # noqa: F401 - re-exported
+from rlkernel.normalizers import global_normalizers
 from rlkernel.reference import logprobs as ref
+
+# The public API of this module (docs/api/distributed.md).
+__all__ = ["global_normalizers", "vocab_parallel_linear_token_logprobs"]
 
 # dhidden is all-reduced in blocks of whole chunks holding at most this many bytes (fp32 [rows, H]).
 REDUCE_BYTES = 64 * 2**20

@@ -5,6 +5,16 @@ import torch
 
 import rlkernel as rk
 
+# What the cases below cover, for the public-API walker (tests/test_public_api_bad_input.py).
+COVERED = [
+    rk.policy_loss,
+    rk.kl_penalty,
+    rk.group_advantages,
+    rk.PolicyLossConfig,
+    rk.PolicyLossConfig.preset,
+    rk.fused_policy_loss,
+]
+
 B, T, V = 3, 4, 7
 META = torch.device("meta")  # a second device on a CPU-only machine
 
