@@ -79,6 +79,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlkernel._autocast import without_autocast
 from rlkernel._distributed_checks import (
     _F,
     _check_global_range,
@@ -90,8 +91,11 @@ from rlkernel._distributed_checks import (
     _raise_for,
     _verdict,
 )
-from rlkernel.normalizers import global_normalizers  # noqa: F401 - re-exported
+from rlkernel.normalizers import global_normalizers
 from rlkernel.reference import logprobs as ref
+
+# The public API of this module (docs/api/distributed.md).
+__all__ = ["global_normalizers", "vocab_parallel_linear_token_logprobs"]
 
 # dhidden is all-reduced in blocks of whole chunks holding at most this many bytes (fp32 [rows, H]).
 REDUCE_BYTES = 64 * 2**20
@@ -233,6 +237,7 @@ class _VocabParallelLinearLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, local, owned, active, lse, entropy, kernel_ids = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -405,6 +410,7 @@ def _default_chunk_rows(vocab_local: int, n: int, dtype: torch.dtype, kernels: b
 
 
 # --------------------------------------------------------------------------------- public API
+@without_autocast
 def vocab_parallel_linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -476,7 +482,7 @@ def vocab_parallel_linear_token_logprobs(
     vocab_start = sum(row[_F["vocab_local"]] for row in table[:rank])
     n = ids.numel()
     lead = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h = hidden.reshape(lead.numel(), hidden.shape[-1])  # rows by count: H may be 0
     half = _half_gemm(weight)
     kernels = _use_kernels(h, half)
     if chunk_rows is None:

@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     0: all rows measured or skipped; 1: some implementation failed (its row says ``error``);
     2: bad command line (unknown suite, implementation, workload; no CUDA device without --smoke).
     """
+    from rlkernel._cli_paths import first_problem, input_dir_problem, input_file_problem, output_dir_problem
     from rlkernel.bench import get_suite, harness, report
 
     try:
@@ -120,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
             _list()
             return 0
         if args.readme:
+            problem = first_problem(
+                input_dir_problem("--results", args.results),
+                input_file_problem("--readme-path", args.readme_path, writable=True),
+            )
+            if problem:
+                raise harness.BenchError(problem)
             changed = report.update_readme(args.readme_path, args.results)
             print(f"{args.readme_path}: bench table {'updated' if changed else 'already up to date'}")
             return 0
@@ -128,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
 
             raise harness.BenchError(f"name a suite ({', '.join(sorted(SUITES))}) or pass --readme / --list")
         suite = get_suite(args.suite)
+        # The results are written after the whole suite: an unusable --out must fail now.
+        problem = output_dir_problem("--out", args.out)
+        if problem:
+            raise harness.BenchError(problem)
         rows, meta = harness.run_suite(suite, _options(args, suite.name))
     except (harness.BenchError, FileNotFoundError, ValueError) as exc:
         print(f"rlkernel bench: error: {exc}", file=sys.stderr)

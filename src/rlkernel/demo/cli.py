@@ -254,7 +254,12 @@ def _step_line(rec: dict, steps: int, kl_name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed arguments; returns the exit status (0 on success, 2 on bad options)."""
+    from rlkernel._cli_paths import output_dir_problem
+
     try:
+        problem = output_dir_problem("--out", args.out)  # before training: the files come last
+        if problem:
+            raise ValueError(problem)
         cfg = config_from_args(args)
     except ValueError as e:
         print(f"rlkernel demo: error: {e}", file=sys.stderr)

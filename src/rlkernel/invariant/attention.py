@@ -73,6 +73,7 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.reference import attention as ref
 
 MAX_HEAD_DIM = 256
@@ -163,6 +164,7 @@ class _AttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse, key_start, cu_q, cu_k = ctx.saved_tensors
         args = (grad_out.contiguous(), q, k, v, out, lse, key_start, cu_q, cu_k, ctx.max_seqlen_q, ctx.scale)
@@ -276,6 +278,7 @@ def _check_key_start(key_start: torch.Tensor, tk: int) -> None:
         )
 
 
+@without_autocast
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

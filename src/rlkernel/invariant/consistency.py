@@ -243,6 +243,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _path_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--model`` / ``--json``, checked before any model is built: the JSON is
+    written after the whole run, and a missing ``--model`` folder would otherwise reach HF's loader,
+    which reads it as a Hub repo id ("Repo id must be ...")."""
+    from rlkernel._cli_paths import input_dir_problem, output_file_problem
+
+    if args.model is not None:
+        problem = input_dir_problem("--model", args.model, must_contain="config.json")
+        if problem:
+            return f"{problem} (expected a local HF Qwen3/Llama checkpoint folder)"
+    if args.json not in (None, "-"):
+        return output_file_problem("--json", args.json)
+    return None
+
+
 def _resolve(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Settings]:
     preset = CONFIGS[args.config]
     dev, dt, run = preset.device, preset.dtype, preset.run
@@ -325,6 +340,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``rlkernel consistency``; returns the exit code: 0; 1 if a variant failed to run, or with
     ``--require-bitwise`` if the patched model is not 100% bitwise equal; 2 on a bad command line."""
     try:
+        problem = _path_problem(args)
+        if problem:
+            raise ValueError(problem)
         device, dtype, s = _resolve(args)
     except ValueError as exc:
         print(f"rlkernel consistency: error: {exc}", file=sys.stderr)

@@ -21,7 +21,9 @@ The kernels are registered as ``torch.library`` custom ops (``rlkernel::invarian
 ``torch.compile(fullgraph=True)`` traces calls to them instead of breaking at a Triton launch.
 
 Caveats:
-    * Under autocast the inputs are cast to the autocast dtype first (as ``F.linear`` does).
+    * Under autocast the inputs are cast to the autocast dtype first (as ``F.linear`` does); the
+      computation itself then runs with autocast disabled, so the result is bitwise that of the
+      same call on the cast inputs outside autocast, on both backends.
     * The kernel and the reference give different (both accurate) bits: invariance holds within one
       backend. A rollout and a trainer must use the same backend, GPU model, Triton version and
       kernel table (``rlkernel.kernels.matmul.MODE``/``TUNED``).
@@ -33,6 +35,7 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._autocast import autocast_disabled, autocast_enabled, without_autocast
 from rlkernel.reference import matmul as ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,6 +93,7 @@ class _LinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -120,6 +124,8 @@ class _LinearFunction(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------- public
 def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The inputs cast to the autocast dtype when autocast is on for their device type, as
+    ``F.linear`` casts them (the only effect autocast has on this op: see rlkernel._autocast)."""
     first = tensors[0]
     device_type = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
     if device_type is not None and torch.is_autocast_enabled(device_type):
@@ -128,13 +134,19 @@ def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tensors
 
 
+def _linear_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_linear_2d` on the autocast-cast inputs, computed with autocast disabled (so the
+    reference's fp32 accumulation and the backward GEMMs are not rewritten by autocast)."""
+    if not autocast_enabled():
+        return _linear_2d(x, weight, bias)
+    x, weight, bias = _autocast(x, weight, bias)
+    with autocast_disabled():
+        return _linear_2d(x, weight, bias)
+
+
 def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str]) -> None:
     xn, wn = names
-    check.float_tensor(xn, x, min_dim=1)
-    if x.shape[-1] < 1:  # as rms_norm's hidden dimension: an empty reduction is not a layer
-        raise ValueError(
-            f"{xn} must have a contraction dimension K = {xn}.shape[-1] >= 1, got {check.describe(x)}"
-        )
+    check.float_tensor(xn, x, min_dim=1)  # K = 0 is allowed: the empty sum, as F.linear gives
     check.float_tensor(wn, weight)
     if weight.dim() != 2:
         raise ValueError(f"{wn} must be 2-D, got {check.describe(weight)}")
@@ -160,7 +172,7 @@ def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
         return kernels.linear_forward(x, weight, bias)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(lead.numel(), x.shape[-1])  # rows by count, not -1: K may be 0
     if wants_grad:
         out = _LinearFunction.apply(x2, weight, bias, backend)
     else:
@@ -210,7 +222,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Raises:
         TypeError: non-float inputs, mismatched dtypes.
-        ValueError: weight not 2-D, ``weight.shape[1] != x.shape[-1]``, ``K = 0``, bias not ``[N]``,
+        ValueError: weight not 2-D, ``weight.shape[1] != x.shape[-1]``, bias not ``[N]``,
             devices differ.
     """
     if not _accepted(x, weight, bias):  # the full checks (they raise) only off the common path
@@ -219,8 +231,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(
                 f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {check.describe(weight)}"
             )
-    x, weight, bias = _autocast(x, weight, bias)
-    return _linear_2d(x, weight, bias)
+    return _linear_cast(x, weight, bias)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -239,5 +250,4 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_linear(a, b, None, ("a", "b"))
     if b.shape[0] != a.shape[-1]:
         raise ValueError(f"b must be [K, N] with K = a.shape[-1] = {a.shape[-1]}, got {check.describe(b)}")
-    a, b = _autocast(a, b)
-    return _linear_2d(a, b.t(), None)
+    return _linear_cast(a, b.t(), None)

@@ -25,6 +25,7 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.reference import rmsnorm as ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -68,6 +69,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_out):
         x, weight, rstd = ctx.saved_tensors
         dx, dweight = _dispatch.call_op(_bwd_op, grad_out.contiguous(), x, weight, rstd)
@@ -75,6 +77,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------- public
+@without_autocast
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Batch-invariant RMSNorm, HF cast order: ``weight * (x.float() * r).to(x.dtype)``,
     ``r = 1 / sqrt(mean(x.float()**2, -1) + eps)``. Differentiable in ``x`` and ``weight``.
@@ -109,7 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         from rlkernel.kernels import rmsnorm as kernels
 
         return kernels.rms_norm_forward(x, weight, float(eps))
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
     if wants_grad:
         out = _RMSNormFunction.apply(x2, weight.contiguous(), eps)
     else:

@@ -549,7 +549,7 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     forward of ``rlkernel.invariant.linear`` with the fewest host operations for decode-sized calls
     (no reshape or transpose views: the kernel reads ``weight``'s strides as the K-major ``b``, and
     a contiguous ``x`` is read as ``[M, K]`` rows). Same configuration table, same bits as
-    ``matmul(x.reshape(-1, K), weight.t(), bias=bias)``. Inputs are validated by the caller."""
+    ``matmul(x.reshape(M, K), weight.t(), bias=bias)``. Inputs are validated by the caller."""
     k = x.shape[-1]
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -560,7 +560,9 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         sa0 = None
     if sa0 is None or m == 0 or n == 0 or k == 0:
-        _matmul(x.reshape(-1, k), weight.t(), out.view(-1, n), bias=bias)
+        # Rows by count, not -1: with K = 0 or N = 0 an empty tensor's row count is ambiguous.
+        m = x.shape[:-1].numel()
+        _matmul(x.reshape(m, k), weight.t(), out.view(m, n), bias=bias)
         return out
     cfg = _config_cached(m, n, k, x)
     if cfg.tma:  # prefill-sized: the general launcher (TMA descriptors, alignment checks)

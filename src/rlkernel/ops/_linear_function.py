@@ -99,6 +99,7 @@ from typing import Literal
 
 import torch
 
+from rlkernel._autocast import without_autocast
 from rlkernel.ops._linear_engine import (  # noqa: F401 - _mm_out_dtype_supported: re-exported
     _dweight_buffer,
     _Engine,
@@ -213,6 +214,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         temperature, ignore_index, return_entropy, opts = ctx.args
@@ -272,7 +274,8 @@ def _options(chunk_rows, grad_rows, logits_dtype, dweight_accum):
 
 
 def _flatten(hidden, token_ids):
-    return hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1).long()
+    # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
+    return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), token_ids.reshape(-1).long()
 
 
 def linear_token_logprobs_triton(
@@ -376,6 +379,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         return (loss, *outs)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, g_loss, *_):
         from rlkernel.ops._logprobs_function import _second_backward_error, graph_retained
 

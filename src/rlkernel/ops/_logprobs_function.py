@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from rlkernel._autocast import without_autocast
 from rlkernel.kernels import logprobs as kernels
 
 # Whether inplace_backward=True also writes in place inside torch.compile'd code (see Caveats).
@@ -181,6 +182,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_logp, grad_entropy):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
@@ -270,6 +272,7 @@ class TokenLossFunction(torch.autograd.Function):
         return terms.loss, logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_loss, grad_logp_unused, grad_entropy_unused):
         if not ctx.needs_input_grad[0] or grad_loss is None:
             return None, None, None, None
@@ -334,6 +337,7 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
         return loss_rows.sum(), logp.view(lead), entropy.view(lead) if plan.want_entropy else entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_loss, grad_logp_unused, grad_entropy_unused):
         from rlkernel.kernels import token_loss as tl_kernels
 

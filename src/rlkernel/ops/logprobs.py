@@ -11,6 +11,7 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.reference import logprobs as ref
 
 
@@ -38,6 +39,7 @@ def _check_common(
     return ids
 
 
+@without_autocast
 def token_logprobs(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
@@ -136,6 +138,7 @@ def check_linear_inputs(
     return _check_common("hidden", hidden, token_ids, temperature, ignore_index)
 
 
+@without_autocast
 def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

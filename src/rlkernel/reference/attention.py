@@ -229,7 +229,7 @@ def attention_with_lse(
         dt = acc_dtype(q)
         out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=dt)
         lse = torch.cat(lses) if lses else q.new_zeros(q.shape[:-1], dtype=dt)
-        return out.to(q.dtype), lse
+        return _keep_in_graph(out.to(q.dtype), q, k, v), lse
     starts = [0] * q.shape[0] if key_start is None else [int(s) for s in key_start.tolist()]
     results = [
         _one_sequence(q[b], k[b], v[b], starts[b], scale, block_n)
@@ -238,9 +238,23 @@ def attention_with_lse(
         for b in range(q.shape[0])
     ]
     if not results:
-        return q.clone(), q.new_zeros(q.shape[:-1], dtype=acc_dtype(q))
+        return _keep_in_graph(q.new_zeros(q.shape), q, k, v), q.new_zeros(q.shape[:-1], dtype=acc_dtype(q))
     out = torch.stack([r[0] for r in results]).to(q.dtype)
-    return out, torch.stack([r[1] for r in results])
+    return _keep_in_graph(out, q, k, v), torch.stack([r[1] for r in results])
+
+
+def _keep_in_graph(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``out``, attached to every input that requires grad when it is empty or carries no autograd
+    history (no query, no batch, no key seen by any row: built from fresh zeros), so that backward
+    gives those inputs zero gradients of their own shape, as the kernel's backward does, instead of
+    failing or leaving them out of the graph. The attachment adds the sum of an empty slice, an
+    exact 0 (and in these cases ``out`` is empty or all +0), so no value changes."""
+    if not torch.is_grad_enabled() or (out.numel() and out.requires_grad):
+        return out
+    for t in inputs:
+        if t.requires_grad:
+            out = out + t.reshape(-1)[:0].sum().to(out.dtype)
+    return out
 
 
 def attention(

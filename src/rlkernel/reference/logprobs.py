@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from rlkernel._autocast import without_autocast
+
 # One chunk of fp32 logits is at most this many bytes (see ``chunk_rows_for``).
 CHUNK_BYTES = 64 * 2**20
 
@@ -74,7 +76,7 @@ def token_logprobs(
         float32 ``[...]`` logp, or ``(logp, entropy)``. Differentiable through autograd.
     """
     lead = logits.shape[:-1]
-    z = logits.reshape(-1, logits.shape[-1]).to(acc_dtype(logits)) / temperature
+    z = logits.reshape(lead.numel(), logits.shape[-1]).to(acc_dtype(logits)) / temperature
     ids, active = _prepare_ids(token_ids, ignore_index)
     # Ignored rows may hold garbage (NaN/inf padding): zero them first, or log_softmax's backward
     # would turn their 0 upstream gradient into NaN (0·NaN) instead of an exact 0.
@@ -148,6 +150,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @without_autocast
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, ids, active = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -218,7 +221,8 @@ def linear_token_logprobs(
         float32 ``[...]`` logp, or ``(logp, entropy)``; differentiable in hidden, weight and bias.
     """
     lead = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
+    # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
+    h = hidden.reshape(lead.numel(), hidden.shape[-1])
     ids, active = _prepare_ids(token_ids, ignore_index)
     # Ignored rows may hold garbage: zero them so they reach neither the logits nor dweight/dbias.
     h = torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))

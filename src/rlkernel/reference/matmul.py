@@ -54,7 +54,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ``[..., N]`` in ``a``'s dtype.
     """
     acc = _acc_dtype(a.dtype)
-    a2 = a.reshape(-1, a.shape[-1]).to(acc)
+    a2 = a.reshape(a.shape[:-1].numel(), a.shape[-1]).to(acc)  # rows by count: K may be 0
     out = rowwise_mm(a2, b.to(acc))
     return out.to(a.dtype).reshape(*a.shape[:-1], b.shape[1])
 
@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ``[..., N]`` in ``x``'s dtype.
     """
     acc = _acc_dtype(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1]).to(acc)
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).to(acc)  # rows by count: K may be 0
     out = rowwise_mm(x2, weight.to(acc).t())
     if bias is not None:
         out = out + bias.to(acc)

@@ -107,8 +107,8 @@ def rms_norm_backward(
     (fp64 for fp64); ``dx`` in ``x``'s dtype, ``dweight`` in ``weight``'s dtype."""
     acc = _acc_dtype(x.dtype)
     h = x.shape[-1]
-    xf = x.to(acc).reshape(-1, h)
-    dy = grad_out.to(acc).reshape(-1, h)
+    xf = x.to(acc).reshape(x.shape[:-1].numel(), h)
+    dy = grad_out.to(acc).reshape(x.shape[:-1].numel(), h)
     r = inv_rms(xf, eps)
     x_hat = xf * r
     g = dy * weight.to(acc)

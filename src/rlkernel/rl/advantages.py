@@ -43,6 +43,7 @@ from typing import Literal
 import torch
 
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
@@ -152,6 +153,7 @@ def _check_token_counts(token_counts: object, rewards: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+@without_autocast
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,

@@ -16,8 +16,9 @@ not run under autograd: a plan of per-token constants is built with a few torch 
     backward  one log-prob backward launch, scaled in-kernel by the upstream gradient
 
 instead of ~100 small autograd launches (1.8–2.0 ms of host time per call at N = 8192 on an H100).
-With ``GRAD_IN_FORWARD_MAX_VOCAB`` (off by default) small vocabularies instead write the gradient
-during the forward (2 passes over the logits) and the backward only rescales it.
+For V <= ``GRAD_IN_FORWARD_MAX_VOCAB`` (65,536 by default; 0 turns it off), when the logits require
+grad and ``inplace_backward`` is off, the gradient is instead written during the forward (2 passes
+over the logits) and the backward only rescales it.
 gspo, gspo_token and gmpo (sequence-coupled gradients), the hidden-state path, fp64 logits, the
 reference backend and ``torch.compile`` tracing keep the composed path. Both give the same loss,
 gradients (to fp32 rounding) and metrics.
@@ -41,6 +42,7 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.ops.logprobs import (
     _check_common,
     check_linear_inputs,
@@ -112,6 +114,7 @@ def _check_source(logits, hidden, weight, bias, tp_group) -> None:
         raise ValueError("weight (the [V, H] LM head) is required with hidden")
 
 
+@without_autocast
 def fused_policy_loss(
     cfg: PolicyLossConfig,
     *,
@@ -174,8 +177,16 @@ def fused_policy_loss(
         # error, not a silently dropped token. The primitive then skips its own (second) sync.
         if logits is not None:
             vocab = check.float_tensor("logits", logits, min_dim=1).shape[-1]
+            if vocab < 1:  # the primitive's own message, before the ids are blamed for it
+                raise ValueError(
+                    f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}"
+                )
         else:
             vocab = check.float_tensor("weight", weight, min_dim=1).shape[0]
+            if vocab < 1:
+                raise ValueError(
+                    f"weight must have at least one vocabulary row, got {check.describe(weight)}"
+                )
         check.token_ids_in_range(
             "token_ids (at active mask positions)",
             torch.where(active, token_ids, 0),

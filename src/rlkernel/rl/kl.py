@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.rl.aggregate import finite_or_nan
 
 KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]
@@ -83,6 +84,7 @@ def kl_terms(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torc
     return grad_source - grad_source.detach() + value.detach()
 
 
+@without_autocast
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate between the policy and the reference policy.
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel import _validate as check
+from rlkernel._autocast import without_autocast
 from rlkernel.rl import objectives, rollout
 from rlkernel.rl.aggregate import (
     Normalizer,
@@ -197,6 +198,7 @@ def _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entr
     )
 
 
+@without_autocast
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
