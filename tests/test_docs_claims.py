@@ -23,8 +23,9 @@ STALE = re.compile(r"opt-in|off by default|off until", re.IGNORECASE)
 
 
 def _paragraphs(text: str) -> list[str]:
-    """Markdown bullets/paragraphs and Python comment or docstring blocks, split at blank lines."""
-    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    """Markdown bullets/paragraphs and Python comment or docstring blocks: split at blank lines and
+    at the start of each bullet (a statement about another option may share a bullet list)."""
+    return [p for p in re.split(r"\n\s*\n|\n(?=\s*[*-] )", text) if p.strip()]
 
 
 def _sources() -> list[Path]:

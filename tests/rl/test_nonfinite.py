@@ -125,7 +125,8 @@ def _masked_garbage_changes_nothing(cfg, monkeypatch, seed: int) -> None:
     the gradients bitwise unchanged, on every path."""
     clean = _problem(seed)
     off = (~clean["mask"]).nonzero()
-    garbage = torch.tensor(NONFINITE).repeat(len(off))[: len(off)]  # +inf, −inf, NaN in turn
+    # +inf, −inf, NaN in turn
+    garbage = torch.tensor(NONFINITE, device=off.device).repeat(len(off))[: len(off)]
     dirty = dict(clean)
     for where in CONSTANTS:
         dirty[where] = clean[where].index_put((off[:, 0], off[:, 1]), garbage)
@@ -249,7 +250,7 @@ def test_all_masked_step_with_global_normalizers_gives_zero(name, monkeypatch):
     if name == "grpo":  # the other spellings of 0: Python numbers, integer tensors
         variants += [
             dict(global_tokens=0, global_seqs=0.0),
-            dict(global_tokens=torch.tensor(0), global_seqs=0),
+            dict(global_tokens=torch.tensor(0, device=DEVICE), global_seqs=0),
         ]
     for normalizers in variants:
         for path in PATHS:
@@ -265,7 +266,7 @@ def test_zero_or_invalid_global_normalizer_with_active_tokens_gives_nan(aggregat
     # a tensor's value cannot be checked on the host without a sync; the loss says so with NaN.
     cfg = config("ppo", aggregation=aggregation)
     p = _problem(seed=21)
-    for bad in (0, torch.tensor(0.0), torch.tensor(-4.0, device=DEVICE), torch.tensor(float("inf"))):
+    for bad in (0, *(torch.tensor(x, device=DEVICE) for x in (0.0, -4.0, float("inf")))):
         paths = PATHS if isinstance(bad, int) or bad.item() == 0 else ("policy_loss", "logits-triton")
         for path in paths:
             loss, _ = _run(path, cfg, p, monkeypatch, global_tokens=bad, global_seqs=bad)
