@@ -18,3 +18,29 @@ if not ON_GPU:
     _compiled = [name for name in sys.modules if name.startswith("rlkernel.kernels.")]
     if _compiled:  # imported before this conftest ran: their kernels are compiled, not interpreted
         raise pytest.UsageError(f"{_compiled} were imported before tests/conftest.py set TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank (this process), for the ``tp_group`` paths on the CPU."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def smallest_linear_chunks(monkeypatch):
+    """The Triton linear path at its smallest chunks (16 rows): the real budgets pad every call to
+    thousands of rows, minutes in the interpreter."""
+    from rlkernel.ops import _linear_function as lf
+
+    monkeypatch.setattr(lf, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(lf, "GRAD_BYTES", 1)

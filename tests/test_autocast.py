@@ -40,14 +40,7 @@ def amp(request):
     return request.param
 
 
-@pytest.fixture(autouse=True)
-def small_linear_chunks(monkeypatch):
-    """The Triton linear path at its smallest chunks (16 rows): the real budgets pad every call to
-    thousands of rows, minutes in the interpreter."""
-    from rlkernel.ops import _linear_function as lf
-
-    monkeypatch.setattr(lf, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(lf, "GRAD_BYTES", 1)
+pytestmark = pytest.mark.usefixtures("smallest_linear_chunks")  # tests/conftest.py
 
 
 def _gen(seed):

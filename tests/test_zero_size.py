@@ -31,14 +31,7 @@ def backend(request):
         yield request.param
 
 
-@pytest.fixture(autouse=True)
-def small_linear_chunks(monkeypatch):
-    """The Triton linear path at its smallest chunks (16 rows): the real budgets pad every call to
-    thousands of rows, minutes in the interpreter."""
-    from rlkernel.ops import _linear_function as lf
-
-    monkeypatch.setattr(lf, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(lf, "GRAD_BYTES", 1)
+pytestmark = pytest.mark.usefixtures("smallest_linear_chunks")  # tests/conftest.py
 
 
 def _gen(seed):
@@ -327,19 +320,6 @@ def test_attention_zero_heads_or_head_dim_is_a_clear_error(backend):
 
 
 # ------------------------------------------------------------------------ vocab-parallel (H = 0)
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("needs torch.distributed with gloo")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_vocab_parallel_zero_hidden_size(one_rank_group):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import rlkernel as rk
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
@@ -19,17 +18,6 @@ COVERED = [vocab_parallel_linear_token_logprobs, rk.global_normalizers]
 N, V, H = 3, 5, 4
 
 
-@pytest.fixture
-def one_rank_group():
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("needs torch.distributed with gloo")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _vp_args(**changes):
