@@ -303,3 +303,43 @@ def test_patched_model_pickles_and_deepcopies(patched, tmp_path):
         and patched.config._attn_implementation == ATTN_IMPLEMENTATION
     )
     assert type(twin.lm_head) is nn.Linear and type(patched.lm_head).__name__ == "InvariantLinear"
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU tensors run the Triton kernels only in the interpreter"
+)
+def test_triton_bf16_decode_matches_prefill_in_the_interpreter():
+    """bf16, Triton path (interpreted): KV-cache decode of three left-padded prompts gives the
+    same logits, bit for bit, as one prefill of the finished sequences. On an AMD EPYC without
+    AVX-512 this matched on 64 % of tokens while the interpreter's dot went through BLAS
+    (2026-11-24, issue 10); it must hold on any CPU."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import rlkernel as rk
+
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+    )
+    torch.manual_seed(1)
+    m = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    patch_hf_model(m)
+    prompts = torch.randint(1, 64, (3, 4), generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    prompts = prompts * mask  # left padding with the pad id
+    kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    with rk.use_backend("triton"), torch.no_grad():
+        out = m.generate(input_ids=prompts, attention_mask=mask, output_logits=True,
+                         return_dict_in_generate=True, **kw)  # fmt: skip
+        full_mask = torch.cat([mask, torch.ones(3, 3, dtype=mask.dtype)], dim=1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
+        prefill = m(input_ids=out.sequences, attention_mask=full_mask, position_ids=positions).logits
+    decoded = torch.stack(out.logits, dim=1)  # [3, 3, V]: the logits each new token was drawn from
+    assert torch.equal(decoded, prefill[:, 3:6].to(decoded.dtype))
