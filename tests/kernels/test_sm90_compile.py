@@ -3,7 +3,7 @@
 The rest of the CPU suite runs the kernels in the interpreter, which never compiles them; errors of
 the compiled path alone (a module-level float read in a kernel, found on the H100 on 2026-11-21;
 types the interpreter lets through) would otherwise reach CI's green and only fail on the GPU.
-``rlkernel.kernels._sm90_compile`` drives the real launchers and compiles each launch to a cubin;
+``rlkernel._sm90_compile`` drives the real launchers and compiles each launch to a cubin;
 it must run without ``TRITON_INTERPRET``, so these tests start it in a subprocess.
 """
 
@@ -34,7 +34,7 @@ def _run(args: list[str], cwd=None) -> subprocess.CompletedProcess:
 
 
 def test_every_kernel_compiles_for_sm90():
-    proc = _run(["-m", "rlkernel.kernels._sm90_compile"])
+    proc = _run(["-m", "rlkernel._sm90_compile"])
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     assert "kernel launches compiled for sm_90" in proc.stdout, report
@@ -58,7 +58,7 @@ def test_the_check_fails_on_a_gpu_only_compile_error(tmp_path):
             import torch
             import triton
             import triton.language as tl
-            from rlkernel.kernels import _sm90_compile
+            from rlkernel import _sm90_compile
 
             SCALE = 0.5  # not tl.constexpr
 
@@ -81,7 +81,7 @@ def test_the_check_fails_on_a_gpu_only_compile_error(tmp_path):
 
 
 def test_ptx_digest_ignores_debug_records_but_not_code():
-    from rlkernel.kernels._sm90_compile import ptx_digest
+    from rlkernel._sm90_compile import ptx_digest
 
     code = "\t.visible .entry k(\n\t.param .u64 p\n)\n{\n\tld.global.f32 %f1, [%rd1];\n\tret;\n}\n"
     debug = "\t.section\t.debug_info\n\t{\n.b32 178\n.b64 $L__tmp1\n\t}\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rlkernel.bench.harness import time_interleaved
+from rlkernel.bench.timing import time_interleaved
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ and column of ``b`` only: not on ``BLOCK_M``/``BLOCK_N``, the other rows, or ali
 
 Launchers pass ``INTERPRETED=<the operands are on the CPU>`` (the interpreter is the only way a
 kernel sees CPU tensors). The flag is a constexpr, so the compiled kernels contain ``tl.dot`` alone:
-``python -m rlkernel.kernels._sm90_compile --digest`` shows their PTX is the same as with a bare
+``python -m rlkernel._sm90_compile --digest`` shows their PTX is the same as with a bare
 ``tl.dot``.
 
 Caveats:

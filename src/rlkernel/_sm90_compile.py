@@ -1,7 +1,7 @@
 """Compile every Triton kernel of the package for the H100 (sm_90) on a machine without a GPU.
 
-    python -m rlkernel.kernels._sm90_compile            # one line per kernel launch; exit 1 on failure
-    python -m rlkernel.kernels._sm90_compile --digest   # ... each with a digest of its PTX
+    python -m rlkernel._sm90_compile            # one line per kernel launch; exit 1 on failure
+    python -m rlkernel._sm90_compile --digest   # ... each with a digest of its PTX
 
 Why: CI has no GPU and runs the kernels in the CPU interpreter, which does not compile them. Some
 errors exist only in the compiled path (found on the H100 on 2026-11-21: a module-level float read
