@@ -11,9 +11,8 @@ is where back-edges hide), and resolved to the module it names. The rules (DESIG
 * No import cycle between modules anywhere in ``src/``.
 
 ``KNOWN_*`` list the violations that existed when this test was written, to be removed by issue 11
-(the fused token-loss autograd Function moves into ``ops``; the linear engine's chunk budgets
-become options). The test fails on any violation not listed, naming it, and also on a listed one
-that no longer exists, so the lists only shrink.
+(the linear engine's chunk budgets become options). The test fails on any violation not listed,
+naming it, and also on a listed one that no longer exists, so the lists only shrink.
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ FORBIDDEN = {
     "ops": {"rl", "invariant", "bench", "demo", "cli", "<root>"},
     "rl": {"invariant", "bench", "demo", "cli", "<root>"},
 }
-KNOWN_BACK_EDGES = {
-    ("rlkernel.ops._logprobs_function", "rlkernel.rl.token_loss"),  # issue 11: the Function moves to ops
-}
+KNOWN_BACK_EDGES: set[tuple[str, str]] = set()
 KNOWN_CYCLES = {
     frozenset({"rlkernel.ops._linear_engine", "rlkernel.ops._linear_function"}),  # issue 11: options
 }

@@ -247,7 +247,7 @@ class TokenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward):
-        from rlkernel.rl.token_loss import token_loss
+        from rlkernel.ops.token_loss import token_loss
 
         ids = plan.tensors["ids"].view(logits.shape[:-1])
         x = kernels.as_kernel_layout(logits)

@@ -1,0 +1,131 @@
+"""The token-level loss plan and its launcher: one launch of the per-token loss terms over a row range.
+
+:class:`TokenLossPlan` is the interface between the RL algebra and the kernels: the per-token
+constants and the kernel scalars of one micro-batch's loss (``rlkernel.rl.token_loss.build_plan``
+builds it from a ``PolicyLossConfig`` and the ``[B, T]`` batch). :func:`token_loss` runs ONE launch
+(:mod:`rlkernel.kernels.token_loss`, or :mod:`rlkernel.reference.token_loss` on the CPU) over any
+row range ``[start, stop)`` of the flat tokens and returns that range's loss partial sum and the
+coefficients dL/dlogp, dL/dH. It lives in ``ops`` (not ``rl``) because the autograd Functions of the
+fused paths call it: ``ops`` never imports ``rl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rlkernel import _dispatch
+from rlkernel import _validate as check
+from rlkernel.reference import token_loss as ref_impl
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLossPlan:
+    """Per-token constants and scalars of one micro-batch's loss, over the flat N tokens.
+
+    Attributes:
+        n_tokens: N.
+        tensors: flat contiguous ``[N]`` tensors ``ids`` (int64, ``IGNORE_INDEX`` at inactive
+            tokens), ``old``, ``adv`` and optionally ``ref``, ``rollout_w``, ``factor`` (fp32), and
+            the 0-dim ``denom`` (or None): see :mod:`rlkernel.kernels.token_loss`. On padded input
+            ``adv`` (when given per sequence) and ``factor`` are ``[S]`` per sequence
+            (``scalars["adv_per_seq"]``, ``scalars["factor_per_seq"]``), read by sequence index.
+        scalars: the kernel's runtime scalars and branch choices (loss, kl, clips, coefficients).
+        want_entropy: the loss uses the entropy (``entropy_coef != 0``).
+    """
+
+    n_tokens: int
+    tensors: dict
+    scalars: dict
+    want_entropy: bool
+
+    def slice_args(self, start: int, stop: int) -> dict:
+        """The kernel/reference keyword arguments for tokens ``[start, stop)`` (views, no copies)."""
+        per_seq = {"adv": self.scalars["adv_per_seq"], "factor": self.scalars["factor_per_seq"]}
+        args = {
+            k: (v[start:stop] if v is not None and v.dim() == 1 and not per_seq.get(k, False) else v)
+            for k, v in self.tensors.items()
+        }
+        return {**args, **self.scalars, "row0": start}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLossTerms:
+    """What :func:`token_loss` returns for a row range.
+
+    Attributes:
+        loss: 0-dim fp32, Σ ℓ_t over the range (fixed-order sum of the kernel's block partials).
+        g_logp: fp32 ``[stop − start]``, dL/dlogp_t for an upstream gradient of 1.
+        g_entropy: fp32 ``[stop − start]`` dL/dH_t, or None when the loss has no entropy term.
+    """
+
+    loss: torch.Tensor
+    g_logp: torch.Tensor
+    g_entropy: torch.Tensor | None
+
+
+
+def token_loss(
+    plan: TokenLossPlan,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None = None,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    backend: str | None = None,
+) -> TokenLossTerms:
+    """Loss partial sum and per-token coefficients of tokens ``[start, stop)`` in one launch.
+
+    Args:
+        plan: from :func:`build_plan`.
+        logp: fp32 ``[stop − start]`` log-probs of those tokens (0 at inactive ones is fine; any
+            value there is ignored).
+        entropy: fp32 ``[stop − start]`` entropies, required when ``plan.want_entropy``.
+        start, stop: the row range of the flat tokens (default: all).
+        backend: ``"triton"`` or ``"reference"``; default: the dispatcher's choice for the device.
+
+    Returns:
+        :class:`TokenLossTerms`: the range's loss sum (add the ranges' sums in order for the total),
+        ``g_logp`` and ``g_entropy`` (None without an entropy term).
+    """
+    stop = plan.n_tokens if stop is None else stop
+    if not 0 <= start <= stop <= plan.n_tokens:
+        raise ValueError(f"row range [{start}, {stop}) is not inside [0, {plan.n_tokens})")
+    n = stop - start
+    if logp.numel() != n:
+        raise ValueError(f"logp must have {n} elements (rows [{start}, {stop})), got {check.describe(logp)}")
+    if plan.want_entropy and (entropy is None or entropy.numel() != n):
+        raise ValueError(f"entropy with {n} elements is required: the loss has an entropy term")
+    ent = entropy.detach().reshape(-1).contiguous() if plan.want_entropy else None
+    x = logp.detach().reshape(-1).contiguous()
+    args = plan.slice_args(start, stop)
+    if backend is None:
+        backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64)
+    if backend == "triton":
+        from rlkernel.kernels import token_loss as kernels
+
+        partial = torch.empty(kernels.n_partials(n), dtype=torch.float32, device=x.device)
+        g_logp = torch.empty(n, dtype=torch.float32, device=x.device)
+        g_entropy = torch.empty(n, dtype=torch.float32, device=x.device) if ent is not None else None
+        kernels.token_loss_fwd(partial, g_logp, g_entropy, logp=x, entropy=ent, **args)
+        return TokenLossTerms(partial.sum(), g_logp, g_entropy)
+    loss_t, g_logp, g_entropy = ref_impl.token_loss(x, ent, **args)
+    return TokenLossTerms(loss_t.sum(), g_logp, g_entropy)
+
+
+def as_coef_fn(plan: TokenLossPlan):
+    """``coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy)`` for a chunked engine
+    (e.g. ``rlkernel.ops._linear_function.fused_linear_token_loss``), one :func:`token_loss` launch
+    per chunk ``rows`` (a ``slice`` of the flat tokens, step 1). Run the engine with
+    ``token_ids=plan.tensors["ids"]`` (``IGNORE_INDEX`` at masked positions) and
+    ``with_entropy=plan.want_entropy``; the engine adds the chunks' ``loss_part`` in order."""
+
+    def coef_fn(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None):
+        start, stop, _ = rows.indices(plan.n_tokens)
+        terms = token_loss(plan, logp, entropy, start=start, stop=stop)
+        return terms.loss, terms.g_logp, terms.g_entropy
+
+    return coef_fn
