@@ -577,7 +577,8 @@ def main():
         )
     fails = sum(line.startswith("FAIL") for line in RESULTS)
     print(f"\n{len(RESULTS) - fails} passed, {fails} failed ({time.perf_counter() - t0:.0f} s)")
+    return 1 if fails else 0  # gpu_run.sh reports the step by this exit status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
