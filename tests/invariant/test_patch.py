@@ -244,30 +244,26 @@ def test_rope_is_batch_invariant(model, dtype):
             assert torch.equal(q1[0, :, 0], qe[b, :, t]) and torch.equal(k1[0, :, 0], ke[b, :, t])
 
 
+def _micro_qwen3(seed: int, **overrides):
+    """A one-layer Qwen3 small enough for the Triton interpreter (eval mode, random init)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_implementation="sdpa",
+              pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**{**kw, **overrides})).eval()
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU tensors run the Triton kernels only in the interpreter"
 )
 def test_triton_path_in_the_interpreter():
     """The GPU code path (Triton kernels, here interpreted) through a micro model: prefill and
     left-padded KV-cache decode agree bitwise, logits match HF's, backward runs."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     import rlkernel as rk
 
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        attn_implementation="sdpa",
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    m = Qwen3ForCausalLM(cfg).eval()
+    m = _micro_qwen3(seed=0, tie_word_embeddings=False)
     ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = m(input_ids=ids).logits
@@ -313,23 +309,9 @@ def test_triton_bf16_decode_matches_prefill_in_the_interpreter():
     same logits, bit for bit, as one prefill of the finished sequences. On an AMD EPYC without
     AVX-512 this matched on 64 % of tokens while the interpreter's dot went through BLAS
     (2026-11-24, issue 10); it must hold on any CPU."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     import rlkernel as rk
 
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-    )
-    torch.manual_seed(1)
-    m = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    m = _micro_qwen3(seed=1).to(torch.bfloat16)
     patch_hf_model(m)
     prompts = torch.randint(1, 64, (3, 4), generator=torch.Generator().manual_seed(2))
     mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
