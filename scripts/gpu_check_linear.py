@@ -37,6 +37,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 import rlkernel as rk  # noqa: E402
+from rlkernel.ops import _linear_engine as engine  # noqa: E402
 from rlkernel.ops import _linear_function as lf  # noqa: E402
 from rlkernel.ops._linear_loss import autograd_coef_fn, ppo_kl_chunk_loss  # noqa: E402
 from rlkernel.reference import logprobs as ref  # noqa: E402
@@ -540,7 +541,7 @@ def main():
         f"torch {torch.__version__}, device {torch.cuda.get_device_name() if DEV.type == 'cuda' else 'cpu'}"
     )
     if SMOKE:
-        lf.CHUNK_BYTES = lf.GRAD_BYTES = 16 * sizes()["v"] * 4  # tiny chunks: the defaults pad too
+        engine.CHUNK_BYTES = engine.GRAD_BYTES = 16 * sizes()["v"] * 4  # tiny chunks: the defaults pad too
     correctness()
     large()
     invariance()
@@ -568,8 +569,8 @@ def main():
         z32 = torch.float32 if lf._mm_out_dtype_supported(DEV) else torch.bfloat16
         print(
             f"current defaults: logits_dtype={lf.DEFAULT_LOGITS_DTYPE!r}, dweight_accum="
-            f"{lf.DEFAULT_DWEIGHT_ACCUM!r}, C={lf.chunk_rows_for(v, z32, torch.bfloat16)}, "
-            f"G={lf.grad_rows_for(v, torch.bfloat16)} at V={v}"
+            f"{lf.DEFAULT_DWEIGHT_ACCUM!r}, C={engine.chunk_rows_for(v, z32, torch.bfloat16)}, "
+            f"G={engine.grad_rows_for(v, torch.bfloat16)} at V={v}"
         )
         print(
             "recommend: logits_dtype='fp32' unless bf16 logits save > 5 % (their logp error is ~1e-2); "

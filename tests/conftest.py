@@ -40,7 +40,7 @@ def one_rank_group():
 def smallest_linear_chunks(monkeypatch):
     """The Triton linear path at its smallest chunks (16 rows): the real budgets pad every call to
     thousands of rows, minutes in the interpreter."""
-    from rlkernel.ops import _linear_function as lf
+    from rlkernel.ops import _linear_engine as engine
 
-    monkeypatch.setattr(lf, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(lf, "GRAD_BYTES", 1)
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(engine, "GRAD_BYTES", 1)

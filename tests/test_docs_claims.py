@@ -85,7 +85,7 @@ def test_small_vocabulary_takes_the_gradient_in_forward_path_by_default(monkeypa
 def test_nonfinite_masked_rows_get_exact_zero_gradient(backend, preset, source, dtype, monkeypatch):
     if backend == "triton" and torch.cuda.is_available():
         pytest.skip("CPU tensors reach the Triton kernels only in the interpreter (CPU suite)")
-    from rlkernel.ops import _linear_function as lin
+    from rlkernel.ops import _linear_engine as lin
 
     monkeypatch.setattr(lin, "CHUNK_BYTES", 1)  # 16-row chunks in the interpreter
     monkeypatch.setattr(lin, "GRAD_BYTES", 1)

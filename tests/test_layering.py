@@ -10,9 +10,8 @@ is where back-edges hide), and resolved to the module it names. The rules (DESIG
 * ``rl/`` imports nothing from ``invariant``, ``bench``, ``demo`` or the CLI.
 * No import cycle between modules anywhere in ``src/``.
 
-``KNOWN_*`` list the violations that existed when this test was written, to be removed by issue 11
-(the linear engine's chunk budgets become options). The test fails on any violation not listed,
-naming it, and also on a listed one that no longer exists, so the lists only shrink.
+``KNOWN_*`` may list violations accepted for a while (empty now); the test fails on any violation
+not listed, naming it, and also on a listed one that no longer exists, so the lists only shrink.
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ FORBIDDEN = {
     "rl": {"invariant", "bench", "demo", "cli", "<root>"},
 }
 KNOWN_BACK_EDGES: set[tuple[str, str]] = set()
-KNOWN_CYCLES = {
-    frozenset({"rlkernel.ops._linear_engine", "rlkernel.ops._linear_function"}),  # issue 11: options
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -403,7 +403,7 @@ def _default_chunk_rows(vocab_local: int, n: int, dtype: torch.dtype, kernels: b
     the reference's 64 MiB ones (38). Otherwise the reference's rule (the PyTorch chunk math holds
     several fp32 chunk-sized temporaries)."""
     if kernels:
-        from rlkernel.ops._linear_function import chunk_rows_for
+        from rlkernel.ops._linear_engine import chunk_rows_for
 
         return max(1, min(n, chunk_rows_for(vocab_local, torch.float32, dtype)))
     return ref.chunk_rows_for(vocab_local, n)

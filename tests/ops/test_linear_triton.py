@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rlkernel as rk
+from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
 from rlkernel.ops._linear_loss import autograd_coef_fn, ppo_kl_chunk_loss
 from rlkernel.reference import logprobs as ref
@@ -28,8 +29,8 @@ def triton_backend(monkeypatch):
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
     # The default chunk rule at a tiny budget: 16 rows of fp32 logits at V = 53 (the real budget
     # gives 4096 padded rows, minutes in the interpreter). test_chunk_rule checks the real rule.
-    monkeypatch.setattr(lf, "CHUNK_BYTES", 16 * V * 4)
-    monkeypatch.setattr(lf, "GRAD_BYTES", 16 * V * 4)
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 16 * V * 4)
+    monkeypatch.setattr(engine, "GRAD_BYTES", 16 * V * 4)
     # fp32 dweight → weight dtype in slabs of 5 rows (slab 0 through a temporary, the rest in place)
     monkeypatch.setattr(lf, "CAST_SLAB_BYTES", 5 * 4 * H)
     # fp32 chunk logits, so half inputs can be held to fp32-reference tolerances; the default
@@ -211,11 +212,11 @@ def test_bad_options():
 
 def test_chunk_rule_depends_on_vocab_and_dtype_only(monkeypatch):
     monkeypatch.undo()  # the module's real budgets
-    assert lf.chunk_rows_for(151936, torch.float32, torch.bfloat16) == 2048
-    assert lf.chunk_rows_for(151936, torch.bfloat16, torch.bfloat16) == 4096
-    assert lf.chunk_rows_for(32768, torch.bfloat16, torch.bfloat16) == 4096
-    assert lf.chunk_rows_for(10**9, torch.float32, torch.float32) == lf.MIN_CHUNK_ROWS
-    assert lf.grad_rows_for(151936, torch.bfloat16) == 4096
+    assert engine.chunk_rows_for(151936, torch.float32, torch.bfloat16) == 2048
+    assert engine.chunk_rows_for(151936, torch.bfloat16, torch.bfloat16) == 4096
+    assert engine.chunk_rows_for(32768, torch.bfloat16, torch.bfloat16) == 4096
+    assert engine.chunk_rows_for(10**9, torch.float32, torch.float32) == engine.MIN_CHUNK_ROWS
+    assert engine.grad_rows_for(151936, torch.bfloat16) == 4096
 
 
 # ------------------------------------------------------------------------------------- fused loss

@@ -361,10 +361,10 @@ RETAIN_CONFIGS = {"dapo": config("ppo", kl_coef=0.1, entropy_coef=0.02), "gspo":
 @pytest.fixture
 def small_linear_chunks(monkeypatch):
     """16-row chunks for the hidden-state Triton path (4096 padded rows take minutes interpreted)."""
-    import rlkernel.ops._linear_function as lf
+    import rlkernel.ops._linear_engine as engine
 
-    monkeypatch.setattr(lf, "CHUNK_BYTES", 16 * VOCAB * 4)
-    monkeypatch.setattr(lf, "GRAD_BYTES", 16 * VOCAB * 4)
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 16 * VOCAB * 4)
+    monkeypatch.setattr(engine, "GRAD_BYTES", 16 * VOCAB * 4)
 
 
 def _retain_problem(vocab, seed=40):

@@ -31,10 +31,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def small_linear_chunks(monkeypatch):
     """16-row chunks and groups for the hidden-state Triton path (the default, 4096 padded rows,
     takes minutes in the interpreter)."""
-    import rlkernel.ops._linear_function as lf
+    import rlkernel.ops._linear_engine as engine
 
-    monkeypatch.setattr(lf, "CHUNK_BYTES", 16 * V * 4)
-    monkeypatch.setattr(lf, "GRAD_BYTES", 16 * V * 4)
+    monkeypatch.setattr(engine, "CHUNK_BYTES", 16 * V * 4)
+    monkeypatch.setattr(engine, "GRAD_BYTES", 16 * V * 4)
 
 
 def _problem(seed: int) -> dict:

@@ -19,6 +19,36 @@ import torch
 
 from rlkernel.kernels import logprobs as lk
 
+# Budgets of one chunk's logits and of one group's gradient; the row counts are the largest
+# powers of two that fit, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]; functions of V and dtypes only.
+# At V = 151,936: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient groups of 4096 rows.
+# Larger chunks and groups measured faster (H100, fp32 logits, fp32 dweight: C/G = 512/2048,
+# 1024/2048, 2048/4096 -> 1.36, 1.28, 1.22x the 3-GEMM ceiling; peak 3.5, 3.8, 5.1 GB): the
+# dweight GEMM's K is the group size, and each group rewrites the fp32 V x H accumulator once.
+CHUNK_BYTES = 1280 << 20
+GRAD_BYTES = 1280 << 20
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 4096
+
+
+def _pow2_rows(budget: int, per_row: int, lo: int, hi: int) -> int:
+    rows = max(1, budget // max(per_row, 1))
+    return max(lo, min(hi, 1 << (rows.bit_length() - 1)))
+
+
+def chunk_rows_for(vocab: int, logits_dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+    """Rows per logits chunk (the row-invariance unit): the largest power of two whose ``[C, V]``
+    logits fit ``CHUNK_BYTES``, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]. A function of V and the
+    dtypes only, never of N. ``grad_dtype`` is unused today (kept so the rule may count it)."""
+    del grad_dtype
+    return _pow2_rows(CHUNK_BYTES, vocab * logits_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+
+
+def grad_rows_for(vocab: int, grad_dtype: torch.dtype) -> int:
+    """Rows per gradient group (the M of the dhidden GEMM and K of the dweight GEMM): the largest
+    power of two whose ``[G, V]`` gradient fits ``GRAD_BYTES``. Fewer, larger groups mean fewer
+    read-modify-writes of the V·H dweight accumulator (one per group)."""
+    return _pow2_rows(GRAD_BYTES, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+
 _out_dtype_ok: dict[str, bool] = {}
 
 
@@ -69,10 +99,6 @@ class _Engine:
             elif _mm_out_dtype_supported(dev):
                 zdt = torch.float32
         self.zdt = zdt
-        # The size rules live with the budgets they read (module globals that callers and tests
-        # change at run time); imported here because that module imports this one.
-        from rlkernel.ops._linear_function import chunk_rows_for, grad_rows_for
-
         self.c = opts["chunk_rows"] or chunk_rows_for(self.v, zdt, dt)
         cg = opts["grad_rows"] or grad_rows_for(self.v, dt)
         self.cg = max(self.c, cg // self.c * self.c)

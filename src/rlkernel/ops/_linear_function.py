@@ -45,8 +45,8 @@ Chunk rule (row invariance). cuBLAS picks its algorithm from the problem shape a
 alignment, and different algorithms round differently, so a row's logits would change bits with
 N if the last chunk were shorter. Every logits GEMM therefore has exactly ``C`` rows, read from the
 same offset of the same kind of staging buffer: the tail is zero-padded (pad rows get
-``ignore_index`` ids, hence zero gradient), and C (:func:`chunk_rows_for`) and G
-(:func:`grad_rows_for`) depend only on V and the dtypes, never on N; a row's chunk position (row
+``ignore_index`` ids, hence zero gradient), and C (``_linear_engine.chunk_rows_for``) and G
+(``grad_rows_for``) depend only on V and the dtypes, never on N; a row's chunk position (row
 mod G) is fixed by its index. The log-softmax kernels are row-invariant already. Cost: up to C − 1
 padded rows of logits GEMM per call (nothing at N ≫ C; a whole C-row GEMM for a decode-sized N),
 plus one N·H staging copy. The staging also zeroes ignored rows, so garbage (NaN) hidden states at
@@ -118,15 +118,6 @@ DweightAccum = Literal["fp32", "weight"]
 # benchmarks/results/gpu_check_linear_h100_2026-11-21.log).
 DEFAULT_LOGITS_DTYPE: LogitsDtype = "fp32"
 DEFAULT_DWEIGHT_ACCUM: DweightAccum = "fp32"
-# Budgets of one chunk's logits and of one group's gradient; the row counts are the largest
-# powers of two that fit, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]; functions of V and dtypes only.
-# At V = 151,936: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient groups of 4096 rows.
-# Larger chunks and groups measured faster (H100, fp32 logits, fp32 dweight: C/G = 512/2048,
-# 1024/2048, 2048/4096 -> 1.36, 1.28, 1.22x the 3-GEMM ceiling; peak 3.5, 3.8, 5.1 GB): the
-# dweight GEMM's K is the group size, and each group rewrites the fp32 V x H accumulator once.
-CHUNK_BYTES = 1280 << 20
-GRAD_BYTES = 1280 << 20
-MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 4096
 # Rows of dweight cast per slab at the end of the fp32 accumulation.
 CAST_SLAB_BYTES = 64 << 20
 
@@ -134,26 +125,6 @@ CoefFn = Callable[
     [slice, torch.Tensor, "torch.Tensor | None"],
     "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]",
 ]
-
-
-def _pow2_rows(budget: int, per_row: int, lo: int, hi: int) -> int:
-    rows = max(1, budget // max(per_row, 1))
-    return max(lo, min(hi, 1 << (rows.bit_length() - 1)))
-
-
-def chunk_rows_for(vocab: int, logits_dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
-    """Rows per logits chunk (the row-invariance unit): the largest power of two whose ``[C, V]``
-    logits fit ``CHUNK_BYTES``, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]. A function of V and the
-    dtypes only, never of N. ``grad_dtype`` is unused today (kept so the rule may count it)."""
-    del grad_dtype
-    return _pow2_rows(CHUNK_BYTES, vocab * logits_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
-
-
-def grad_rows_for(vocab: int, grad_dtype: torch.dtype) -> int:
-    """Rows per gradient group (the M of the dhidden GEMM and K of the dweight GEMM): the largest
-    power of two whose ``[G, V]`` gradient fits ``GRAD_BYTES``. Fewer, larger groups mean fewer
-    read-modify-writes of the V·H dweight accumulator (one per group)."""
-    return _pow2_rows(GRAD_BYTES, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
 
 
 def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
@@ -296,9 +267,9 @@ def linear_token_logprobs_triton(
 
     Args:
         hidden ``[..., H]``, weight ``[V, H]``, token_ids ``[...]``, bias ``[V]``: fp16/bf16/fp32.
-        chunk_rows: rows per logits chunk (tests and tuning; ``None``: :func:`chunk_rows_for`). A
+        chunk_rows: rows per logits chunk (tests and tuning; ``None``: ``_linear_engine.chunk_rows_for``). A
             row's bits depend on it, so production calls leave it None.
-        grad_rows: rows per gradient group (``None``: :func:`grad_rows_for`; rounded down to a
+        grad_rows: rows per gradient group (``None``: ``_linear_engine.grad_rows_for``; rounded down to a
             multiple of the chunk rows). Changes no logp bit, only the gradient GEMMs' shapes.
         logits_dtype: ``"fp32"`` chunk logits (from ``mm(out_dtype=fp32)``) or ``"input"`` (the
             input dtype, e.g. bf16, as the model's own LM head gives); None: ``DEFAULT_LOGITS_DTYPE``.
