@@ -437,7 +437,7 @@ def test_second_backward_through_a_retained_graph_accumulates_again_hidden(small
 
 @interpreter_quiet
 def test_unsupported_second_backward_says_why_and_how_to_avoid_it(small_linear_chunks, monkeypatch):
-    import rlkernel.ops._logprobs_function as fn_mod
+    import rlkernel.ops._autograd as fn_mod
     import rlkernel.rl.fused as fused_mod
 
     p = _retain_problem(VOCAB, seed=42)

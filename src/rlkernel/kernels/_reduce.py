@@ -30,6 +30,13 @@ _MAX_LOG2_BLOCK = tl.constexpr(20)
 
 
 @triton.jit
+def is_nonfinite(x):
+    """Elementwise: NaN, +inf or −inf. (Not a reduction, but shared by the kernels that must make a
+    non-finite input visible rather than let a clamp or a zero weight absorb it.)"""
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
 def pairwise_sum(x):
     """Σ x over a 1-D power-of-two block, in a fixed pairwise order independent of the layout.
 

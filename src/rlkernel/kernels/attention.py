@@ -78,6 +78,7 @@ from rlkernel.kernels._dot import dot, interpreted
 from rlkernel.kernels._launch import FastLauncher
 from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
+from rlkernel.kernels._reduce import is_nonfinite
 
 # Whether the kernels below run in the CPU interpreter: fixed when they are decorated (Triton reads
 # TRITON_INTERPRET then), so read once here rather than from the environment on every launch.
@@ -199,7 +200,7 @@ def _seq_bounds(
 def _non_finite(x):
     """``(x with its NaN/±Inf entries read as 0, [rows] flag: the row had one)``. Finite entries keep
     their bits."""
-    bad = (x != x) | (tl.abs(x) == float("inf"))
+    bad = is_nonfinite(x)
     return tl.where(bad, tl.zeros_like(x), x), tl.max(bad.to(tl.int32), 1) > 0
 
 

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels._launch import device_guard as _device_guard
-from rlkernel.kernels._reduce import pairwise_sum
+from rlkernel.kernels._reduce import is_nonfinite, pairwise_sum
 from rlkernel.kernels.logprobs import row_logprob_stats
 
 # Loss-type and KL codes (constexpr: each is a branch of the one kernel).
@@ -85,12 +85,6 @@ def _expm1(z):
 def _pass(x, lo, hi):
     """1 where clamp(x, lo, hi) passes its gradient (closed interval, as torch.clamp), else 0."""
     return tl.where((x >= lo) & (x <= hi), 1.0, 0.0)
-
-
-@triton.jit
-def _nonfinite(v):
-    """NaN, +inf or −inf (a clamp would turn ±inf into a finite value: the loss makes it NaN)."""
-    return (v != v) | (tl.abs(v) == float("inf"))
 
 
 @triton.jit
@@ -140,9 +134,9 @@ def token_terms(
     ``active`` (the caller does that); NaN inputs give NaN ℓ and g_logp."""
     old = tl.load(old_ptr + offs, mask=active, other=0.0).to(tl.float32)
     a = tl.load(adv_ptr + (seq if ADV_PER_SEQ else offs), mask=active, other=0.0).to(tl.float32)
-    nan_in = _nonfinite(x) | _nonfinite(a)
+    nan_in = is_nonfinite(x) | is_nonfinite(a)
     if LOSS != 3:  # reinforce's −A·logp does not read old
-        nan_in = nan_in | _nonfinite(old)
+        nan_in = nan_in | is_nonfinite(old)
 
     lr = x - old
     r = tl.exp(tl.clamp(lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
@@ -179,7 +173,7 @@ def token_terms(
         g = g * rho
     if KL != 0:
         ref = tl.load(ref_ptr + offs, mask=active, other=0.0).to(tl.float32)
-        nan_in = nan_in | _nonfinite(ref)
+        nan_in = nan_in | is_nonfinite(ref)
         d = x - ref
         if KL == 1:
             kv = d
@@ -222,7 +216,7 @@ def token_terms(
     g_logp = w * g
     g_entropy = -entropy_coef * w
     if HAS_ENTROPY:
-        nan_in = nan_in | _nonfinite(h)
+        nan_in = nan_in | is_nonfinite(h)
         loss = loss - entropy_coef * w * h
     loss = tl.where(nan_in, float("nan"), loss)
     g_logp = tl.where(nan_in, float("nan"), g_logp)

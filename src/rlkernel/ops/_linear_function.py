@@ -88,7 +88,7 @@ Caveats:
     * The fused loss hands its forward-computed gradients to the last backward (scaled in place);
       a backward that retains the graph (``retain_graph=True``) gets scaled copies instead, so a
       second backward accumulates the same gradients again. Telling the two apart needs torch >= 2.5
-      (see ``rlkernel.ops._logprobs_function.graph_retained``); on older torch a second backward
+      (see ``rlkernel.ops._autograd.graph_retained``); on older torch a second backward
       raises a RuntimeError saying how to avoid it.
 """
 
@@ -100,6 +100,7 @@ from typing import Literal
 import torch
 
 from rlkernel._autocast import without_autocast
+from rlkernel.ops import _autograd as autograd_state
 from rlkernel.ops._linear_engine import (  # noqa: F401 - _mm_out_dtype_supported: re-exported
     _dweight_buffer,
     _Engine,
@@ -352,10 +353,8 @@ class _FusedLinearLossFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, g_loss, *_):
-        from rlkernel.ops._logprobs_function import _second_backward_error, graph_retained
-
         if ctx.grads is None:
-            raise _second_backward_error(
+            raise autograd_state.second_backward_error(
                 "the first backward handed out the gradients computed in the forward (the fused "
                 "hidden-state loss), scaled in place",
                 "use rlkernel.rl.fused.TOKEN_LEVEL_FUSION = False (the 4-GEMM composed path)",
@@ -365,7 +364,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         if g_loss is None:
             return (None,) * 9
         scale = g_loss.to(torch.float32)
-        if graph_retained():
+        if autograd_state.graph_retained():
             # Another backward will read the buffers: hand out scaled copies (same numbers: fp32 math,
             # one rounding to the output dtype) and keep the buffers as they are.
             dh = None if dh is None else dh * scale

@@ -36,32 +36,10 @@ import torch
 
 from rlkernel._autocast import without_autocast
 from rlkernel.kernels import logprobs as kernels
+from rlkernel.ops import _autograd as autograd_state
 
 # Whether inplace_backward=True also writes in place inside torch.compile'd code (see Caveats).
 _INPLACE_UNDER_COMPILE = False
-
-
-def graph_retained() -> bool | None:
-    """Whether the backward running now keeps its graph for another backward (``retain_graph=True``
-    or ``create_graph=True``): then a Function must neither overwrite what it saved nor hand out a
-    buffer it reads again. ``None`` when this torch cannot tell (before 2.5)."""
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return None if keep_graph is None else bool(keep_graph())
-
-
-def _second_backward_error(what: str, avoid: str) -> RuntimeError:
-    """The error of a backward that finds its state consumed by an earlier one: ``what`` says how
-    it was consumed, ``avoid`` how to run two backwards all the same."""
-    if graph_retained() is None:
-        return RuntimeError(
-            f"a second backward through this graph is not supported on this torch: {what}, and this "
-            "torch cannot tell whether a backward retains its graph (torch >= 2.5 can, and then "
-            f"supports retain_graph=True); to backward twice, {avoid}"
-        )
-    return RuntimeError(
-        "Trying to backward through the graph a second time, but the previous backward did not "
-        f"retain it ({what}): pass retain_graph=True to every backward but the last"
-    )
 
 
 _INPLACE_AVOID = "pass inplace_backward=False"
@@ -187,7 +165,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
         if ctx.overwritten:
-            raise _second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
+            raise autograd_state.second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         x, token_ids, lse, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             grad_entropy = None
@@ -196,7 +174,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
         args = (x, token_ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
         compiling = torch.compiler.is_compiling()
         inplace = ctx.inplace_backward and (_INPLACE_UNDER_COMPILE or not compiling)
-        if inplace and not compiling and graph_retained():
+        if inplace and not compiling and autograd_state.graph_retained():
             inplace = False  # the retained graph runs this backward again: keep the logits intact
         if inplace:
             if compiling:
@@ -277,11 +255,11 @@ class TokenLossFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[0] or grad_loss is None:
             return None, None, None, None
         if ctx.overwritten:
-            raise _second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
+            raise autograd_state.second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         x, ids, lse, g_logp, entropy, g_entropy = ctx.saved_tensors
         scale = grad_loss.detach().reshape(1).to(device=x.device, dtype=torch.float32)
         # A retained graph will run this backward again: the logits must stay intact until the last.
-        inplace = ctx.inplace_backward and not graph_retained()
+        inplace = ctx.inplace_backward and not autograd_state.graph_retained()
         grad = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         kernels._token_logprobs_bwd(
             x,
@@ -345,13 +323,13 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
             return None, None, None
         grad = ctx.grad
         if grad is None:
-            raise _second_backward_error(
+            raise autograd_state.second_backward_error(
                 "the first backward handed out the gradient computed in the forward (the fused loss's "
                 "gradient-in-forward path, V <= rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB)",
                 "set rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB = 0 (the 3-pass path)",
             )
         scale = grad_loss.detach().reshape(1).to(device=grad.device, dtype=torch.float32)
-        if graph_retained():  # another backward will read the buffer: hand out a rescaled copy
+        if autograd_state.graph_retained():  # another backward will read the buffer: hand out a rescaled copy
             return tl_kernels.scale_(grad.clone(), scale), None, None
         ctx.grad = None  # the buffer becomes the caller's gradient: a second backward must not rescale it
         return tl_kernels.scale_(grad, scale), None, None
