@@ -8,9 +8,11 @@ Public API (see docs/ and DESIGN.md):
     fused_policy_loss                               loss straight from logits or hidden states
     global_normalizers                              token/sequence counts of a step over DP ranks
     use_backend                                     force "triton" / "reference" for a block of code
+    use_options, Options, current_options          every other switch, scoped to a block of code
 """
 
 from rlkernel._dispatch import use_backend
+from rlkernel._options import MatmulThresholds, Options, current_options, use_options
 from rlkernel.distributed import global_normalizers
 from rlkernel.ops.logprobs import linear_token_logprobs, token_logprobs
 from rlkernel.rl import (
@@ -25,9 +27,12 @@ from rlkernel.rl import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "MatmulThresholds",
+    "Options",
     "PolicyLossConfig",
     "PolicyLossOutput",
     "__version__",
+    "current_options",
     "fused_policy_loss",
     "global_normalizers",
     "group_advantages",
@@ -36,4 +41,5 @@ __all__ = [
     "policy_loss",
     "token_logprobs",
     "use_backend",
+    "use_options",
 ]
