@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from rlkernel.bench.invariant import GEMM_SHAPES  # noqa: E402
 from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
 from rlkernel.kernels import matmul as km  # noqa: E402
+from rlkernel.kernels import matmul_table as mt  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 BF16 = torch.bfloat16
@@ -47,7 +48,7 @@ DTYPE = torch.float16 if "--fp16" in sys.argv else BF16
 REF = "decode" if DTYPE == torch.float16 else "mma16_n32"  # a table config: the class to join
 
 
-def _candidates() -> list[km.MatmulConfig]:
+def _candidates() -> list[mt.MatmulConfig]:
     out = []
     for bn, warps in ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4)):
         for bk, stages in ((64, 8), (64, 12), (128, 4), (128, 6), (128, 8), (256, 3), (256, 4)):
@@ -56,7 +57,7 @@ def _candidates() -> list[km.MatmulConfig]:
             # GROUP_M = 8: the <= 4 row tiles of M <= 64 run side by side on one column tile (the
             # weight tile is read from HBM once); at M <= 16 there is one row tile either way.
             name = f"m16n{bn}k{bk}s{stages}w{warps}"
-            out.append(km.MatmulConfig(16, bn, bk, 8, warps, stages, name=name))
+            out.append(mt.MatmulConfig(16, bn, bk, 8, warps, stages, name=name))
     return out
 
 
@@ -103,7 +104,7 @@ def class_check(dtype, k, n, ref_cfg) -> dict[str, str]:
 
 def main() -> int:
     t0 = time.perf_counter()
-    ref = km.CANDIDATES_16[REF]
+    ref = mt.CANDIDATES_16[REF]
     verdicts: dict[str, list[str]] = {c.name: [] for c in CANDIDATES}
     for dtype in (DTYPE,):
         for k, n in ((4096, 4096), K_TAIL) if not SMOKE else ((64, 64), K_TAIL):
@@ -125,7 +126,7 @@ def main() -> int:
             x = rand(m, k, dtype=DTYPE, seed=4)
             try:
                 t_cublas = bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-                table_cfg = km.config_for(m, n, k, DTYPE)
+                table_cfg = mt.config_for(m, n, k, DTYPE)
                 t_table = bench(lambda x=x, w=w: km.matmul(x, w.t()))
                 times = {}
                 for cfg in in_class:

@@ -38,14 +38,15 @@ if "--smoke" in sys.argv:  # before the kernel modules import Triton: the op sec
 
 import torch  # noqa: E402
 
+import rlkernel as rk  # noqa: E402
 from rlkernel.invariant.hf_attention import hf_attention_forward
 from rlkernel.invariant.matmul import linear
 from rlkernel.invariant.patch import patch_hf_model
 from rlkernel.invariant.rmsnorm import rms_norm
 from rlkernel.invariant.scoring import build_model
-from rlkernel.kernels import _launch
 from rlkernel.kernels import attention as ka
 from rlkernel.kernels import matmul as km
+from rlkernel.kernels import matmul_table as mt
 from rlkernel.kernels import rmsnorm as kr
 
 ROWS: list[tuple[str, str, float]] = []  # (group, variant, value)
@@ -71,12 +72,8 @@ def record(group: str, variant: str, value: float, unit: str = "us") -> None:
 
 def with_fast(on: bool, fn):
     def call():
-        old = _launch.enabled
-        _launch.enabled = on
-        try:
+        with rk.use_options(fast_launch=on):
             return fn()
-        finally:
-            _launch.enabled = old
 
     return call
 
@@ -96,7 +93,7 @@ def op_section(dev, dtype, n, sync) -> None:
     x, w = rnd(B, H), rnd(H, H) * 0.03
     out = torch.empty(B, H, device=dev, dtype=dtype)
     wt = w.t()
-    cfg = km.config_for(B, H, H, dtype, km.mode_for(dev))
+    cfg = mt.config_for(B, H, H, dtype, mt.table_for(dev, "tuned"))
     args = (out, *out.stride(), x, *x.stride(), wt, *wt.stride(), out, B, H, H)
     constexprs = {
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
@@ -129,8 +126,8 @@ def op_section(dev, dtype, n, sync) -> None:
         )
         record(
             g,
-            "config_for + mode_for",
-            host_us(lambda: km.config_for(B, H, H, dtype, km.mode_for(dev)), n, lambda: None),
+            "config_for + table_for",
+            host_us(lambda: mt.config_for(B, H, H, dtype, mt.table_for(dev, "tuned")), n, lambda: None),
         )
         record(
             g,

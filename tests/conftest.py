@@ -40,7 +40,19 @@ def one_rank_group():
 def smallest_linear_chunks(monkeypatch):
     """The Triton linear path at its smallest chunks (16 rows): the real budgets pad every call to
     thousands of rows, minutes in the interpreter."""
-    from rlkernel.ops import _linear_engine as engine
+    import rlkernel as rk
 
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(engine, "GRAD_BYTES", 1)
+    with rk.use_options(linear_chunk_bytes=1, linear_grad_bytes=1):
+        yield
+
+
+@pytest.fixture
+def set_options():
+    """``set_options(**changes)`` changes rlkernel options (``rk.use_options``) until the test ends:
+    tests set options this way (or with a ``with`` block), never by assigning module attributes."""
+    import contextlib
+
+    import rlkernel as rk
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(rk.use_options(**changes))

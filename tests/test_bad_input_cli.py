@@ -33,10 +33,10 @@ def no_work(monkeypatch):
     import rlkernel.demo.grpo as grpo
     import rlkernel.invariant.consistency as consistency
 
-    monkeypatch.setattr(grpo, "train", _no_work)
-    monkeypatch.setattr(harness, "run_suite", _no_work)
+    monkeypatch.setattr(grpo, "train", _no_work)  # seam: stub: no work
+    monkeypatch.setattr(harness, "run_suite", _no_work)  # seam: stub: no work
     for name in ("build_model", "load_model", "run_check"):
-        monkeypatch.setattr(consistency, name, _no_work)
+        monkeypatch.setattr(consistency, name, _no_work)  # seam: stub: no work
 
 
 def _exit_2_one_line(argv, capsys, *needles):

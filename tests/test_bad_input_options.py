@@ -90,3 +90,20 @@ def test_options_are_frozen():
         rk.current_options().matmul_table = "single"  # type: ignore[misc]
     with pytest.raises(ValueError, match="vocab_n"):
         rk.Options(matmul_thresholds=rk.MatmulThresholds(vocab_n=-5))
+
+
+def test_options_under_torch_compile_are_guarded():
+    """Compiled code reads the options in force at each call (recompiles when they change)."""
+    import torch
+
+    def f(x):
+        return x * rk.current_options().grad_in_forward_max_vocab
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    x = torch.ones(2)
+    assert compiled(x).tolist() == [65536.0, 65536.0]
+    with rk.use_options(grad_in_forward_max_vocab=3):
+        assert compiled(x).tolist() == [3.0, 3.0]
+        with rk.use_options(grad_in_forward_max_vocab=5):
+            assert compiled(x).tolist() == [5.0, 5.0]
+    assert compiled(x).tolist() == [65536.0, 65536.0]

@@ -52,7 +52,7 @@ def test_op_without_kernel_falls_back_silently(monkeypatch):
 
 def test_forced_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_VAR, "triton")
-    monkeypatch.setattr(_dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: True)  # seam: fake: Triton importable
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         _dispatch.resolve_backend(torch.device("cpu"), has_kernel=True)
@@ -62,14 +62,14 @@ def test_forced_triton_on_cpu_needs_interpreter(monkeypatch):
 
 def test_forced_triton_without_triton_raises(monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_VAR, "triton")
-    monkeypatch.setattr(_dispatch, "triton_available", lambda: False)
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: False)  # seam: fake: no Triton
     with pytest.raises(ValueError, match="cannot be imported"):
         _dispatch.resolve_backend(torch.device("cpu"), has_kernel=True)
 
 
 def test_auto_on_cuda_device_picks_triton_when_available(monkeypatch):
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
-    monkeypatch.setattr(_dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: True)  # seam: fake: Triton importable
     assert _dispatch.resolve_backend(torch.device("cuda", 0), has_kernel=True) == "triton"
-    monkeypatch.setattr(_dispatch, "triton_available", lambda: False)
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: False)  # seam: fake: no Triton
     assert _dispatch.resolve_backend(torch.device("cuda", 0), has_kernel=True) == "reference"

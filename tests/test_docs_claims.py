@@ -1,6 +1,6 @@
 """Statements of the docs that the code decides, checked against the code.
 
-* The gradient-in-forward path of ``fused_policy_loss`` is on by default (``GRAD_IN_FORWARD_MAX_VOCAB``
+* The gradient-in-forward path of ``fused_policy_loss`` is on by default (option ``grad_in_forward_max_vocab``
   = 65,536): no page or docstring that names it may call it opt-in or off by default, and the
   default path of a small-vocabulary call with logits that require grad is that path.
 * Masked rows whose logits or hidden states hold NaN/±inf get exactly 0 gradient on every backend
@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import rlkernel as rk
-import rlkernel.rl.fused as fused_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 STALE = re.compile(r"opt-in|off by default|off until", re.IGNORECASE)
@@ -33,11 +32,11 @@ def _sources() -> list[Path]:
 
 
 def test_gradient_in_forward_is_described_as_on_by_default():
-    assert fused_mod.GRAD_IN_FORWARD_MAX_VOCAB == 65536  # the default the docs state
+    assert rk.Options().grad_in_forward_max_vocab == 65536  # the default the docs state
     mentions = 0
     for path in _sources():
         for para in _paragraphs(path.read_text()):
-            if not re.search(r"GRAD_IN_FORWARD_MAX_VOCAB|gradient[- ]in[- ]forward", para, re.IGNORECASE):
+            if not re.search(r"grad_in_forward_max_vocab|gradient[- ]in[- ]forward", para, re.IGNORECASE):
                 continue
             mentions += 1
             stale = STALE.search(para)
@@ -64,7 +63,7 @@ def test_small_vocabulary_takes_the_gradient_in_forward_path_by_default(monkeypa
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lf, "token_loss_grad_in_forward_triton", spy)
+    monkeypatch.setattr(lf, "token_loss_grad_in_forward_triton", spy)  # seam: spy
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 17, generator=g, requires_grad=True)
     batch = dict(
@@ -82,13 +81,11 @@ def test_small_vocabulary_takes_the_gradient_in_forward_path_by_default(monkeypa
 @pytest.mark.parametrize("preset", ["dapo", "gspo"])
 @pytest.mark.parametrize("source", ["logits", "hidden"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # fp64: the reference under every mode
-def test_nonfinite_masked_rows_get_exact_zero_gradient(backend, preset, source, dtype, monkeypatch):
+def test_nonfinite_masked_rows_get_exact_zero_gradient(
+    backend, preset, source, dtype, smallest_linear_chunks
+):
     if backend == "triton" and torch.cuda.is_available():
         pytest.skip("CPU tensors reach the Triton kernels only in the interpreter (CPU suite)")
-    from rlkernel.ops import _linear_engine as lin
-
-    monkeypatch.setattr(lin, "CHUNK_BYTES", 1)  # 16-row chunks in the interpreter
-    monkeypatch.setattr(lin, "GRAD_BYTES", 1)
     g = torch.Generator().manual_seed(1)
     b, t, v, h = 2, 5, 11, 6
     mask = torch.ones(b, t)

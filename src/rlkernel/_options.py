@@ -9,8 +9,14 @@ needs down as arguments. Change them for a block of code with :func:`use_options
 
 The scope is a :class:`contextvars.ContextVar`: it nests, is restored on exit (also on an
 exception), and is per thread and per asyncio task, so two threads can run with different options.
-Nothing here is process-wide. The defaults are the settings measured best on the H100 (the docs page
-``docs/api/options.md`` lists each option with its default, what it costs and where it was measured).
+Nothing here is process-wide. Inside ``torch.compile``d code the options are read from a per-thread
+mirror of the same scopes instead (Dynamo cannot trace ``ContextVar.get``, torch 2.13, but it
+guards on the mirror: code compiled under one set of options is recompiled when they change). The
+two agree except when asyncio tasks of one thread interleave different ``use_options`` blocks
+around compiled code; keep such blocks within one task step there.
+
+The defaults are the settings measured best on the H100 (``docs/api/options.md`` lists each option
+with its default, what it costs and where it was measured).
 
 This module is below every layer (``kernels`` may import it): it imports only the standard library
 and torch.
@@ -21,8 +27,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from collections.abc import Iterator
 from typing import Literal
+
+import torch
 
 MatmulTable = Literal["tuned", "single"]
 InvariantBackward = Literal["kernel", "torch"]
@@ -130,10 +139,14 @@ class Options:
 
 DEFAULTS = Options()
 _current: contextvars.ContextVar[Options] = contextvars.ContextVar("rlkernel_options", default=DEFAULTS)
+_traced = threading.local()  # .stack: this thread's use_options scopes, for torch.compile (above)
 
 
 def current_options() -> Options:
     """The options in force here (the innermost :func:`use_options`, else the defaults)."""
+    if torch.compiler.is_compiling():
+        stack = getattr(_traced, "stack", None)
+        return stack[-1] if stack else DEFAULTS
     return _current.get()
 
 
@@ -156,7 +169,12 @@ def use_options(**changes: object) -> Iterator[Options]:
         raise ValueError(f"unknown option(s) {unknown}; the options are: {known}")
     options = dataclasses.replace(_current.get(), **changes)
     token = _current.set(options)
+    stack = getattr(_traced, "stack", None)
+    if stack is None:
+        stack = _traced.stack = []
+    stack.append(options)
     try:
         yield options
     finally:
+        stack.pop()
         _current.reset(token)

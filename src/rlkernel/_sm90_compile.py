@@ -113,6 +113,7 @@ def launches() -> list[tuple[str, object]]:
     from rlkernel.kernels import attention_bwd as kab
     from rlkernel.kernels import logprobs as kl
     from rlkernel.kernels import matmul as km
+    from rlkernel.kernels import matmul_table as mt
     from rlkernel.kernels import rmsnorm as kr
 
     bf16 = torch.bfloat16
@@ -124,7 +125,7 @@ def launches() -> list[tuple[str, object]]:
     out: list[tuple[str, object]] = []
     # matmul: every pointer configuration of the bf16 and fp32 tables (the TMA ones need a driver).
     for dtype in (bf16, torch.float32):
-        for cfg in km.table_configs(dtype, mode="tuned"):
+        for cfg in mt.table_configs(dtype, "tuned"):
             if cfg.tma:
                 continue
             a, b = rnd(64, 512, dtype=dtype), rnd(512, 256, dtype=dtype)

@@ -405,7 +405,8 @@ def _default_chunk_rows(vocab_local: int, n: int, dtype: torch.dtype, kernels: b
     if kernels:
         from rlkernel.ops._linear_engine import chunk_rows_for
 
-        return max(1, min(n, chunk_rows_for(vocab_local, torch.float32, dtype)))
+        del dtype  # the rule counts the fp32 chunk only
+        return max(1, min(n, chunk_rows_for(vocab_local, torch.float32)))
     return ref.chunk_rows_for(vocab_local, n)
 
 

@@ -37,7 +37,7 @@ PRODUCTION_BLOCK_N = ref.BLOCK_N
 def small_reference_blocks(monkeypatch):
     # Tiny reference key blocks so that the short test sequences span several of them (the kernel's
     # interpreter BLOCK_N is 16, its GPU one 32-64).
-    monkeypatch.setattr(ref, "BLOCK_N", 8)
+    monkeypatch.setattr(ref, "BLOCK_N", 8)  # seam: test size: the reference's key block
 
 
 @pytest.fixture(params=["reference", "triton"])
@@ -403,7 +403,7 @@ def test_invariance_with_production_blocks(monkeypatch, run_backend):
     """Padded, left-padded, packed and decode rows agree with the reference at its production
     BLOCK_N (the kernel always runs its own configuration)."""
     monkeypatch.setenv("RLKERNEL_BACKEND", run_backend)
-    monkeypatch.setattr(ref, "BLOCK_N", PRODUCTION_BLOCK_N)
+    monkeypatch.setattr(ref, "BLOCK_N", PRODUCTION_BLOCK_N)  # seam: the reference's key block
     lens = [23, 9]
     seqs = [make_seq(t, seed=40 + 10 * i) for i, t in enumerate(lens)]
     alone = [attention(q[None], k[None], v[None])[0] for q, k, v in seqs]

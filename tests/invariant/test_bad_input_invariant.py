@@ -38,7 +38,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def small_reference_blocks(monkeypatch):
-    monkeypatch.setattr(ref, "BLOCK_N", 8)  # several key blocks in short test sequences
+    monkeypatch.setattr(ref, "BLOCK_N", 8)  # seam (test size): several key blocks in short test sequences
 
 
 @pytest.fixture(params=["reference", "triton"])

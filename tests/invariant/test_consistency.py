@@ -98,7 +98,7 @@ def test_json_to_stdout_parses_and_model_left_unpatched(capsys, monkeypatch):
         built.append(real_build(*a, **kw))
         return built[-1]
 
-    monkeypatch.setattr(cons, "build_model", build)
+    monkeypatch.setattr(cons, "build_model", build)  # seam: stub model
     argv = ["--config", "tiny-llama", "--num-seqs", "2", "--prompt-len", "3", "--gen-len", "2", "--reps", "1"]
     rc = cons.run(_args([*argv, "--decode-batch-sizes", "1,2", "--prefill-batch-sizes", "2", "--json"]))
     out = capsys.readouterr().out
@@ -172,7 +172,7 @@ def test_a_failing_patched_run_is_reported_not_raised(monkeypatch, capsys):
     def broken(model):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(patch_mod, "patch_hf_model", broken)
+    monkeypatch.setattr(patch_mod, "patch_hf_model", broken)  # seam: fake failure
     argv = ["--num-seqs", "2", "--prompt-len", "3", "--gen-len", "2", "--reps", "1"]
     rc = cons.run(_args([*argv, "--decode-batch-sizes", "1", "--prefill-batch-sizes", "2"]))
     out = capsys.readouterr().out

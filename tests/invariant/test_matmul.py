@@ -7,13 +7,13 @@ conftest) at tiny sizes. Each test picks its backend with ``RLKERNEL_BACKEND`` v
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+import rlkernel as rk
 from rlkernel.invariant.matmul import _linear_op, _mm_op, linear, matmul
 from rlkernel.kernels import matmul as km
+from rlkernel.kernels import matmul_table as mt
 from rlkernel.reference import matmul as ref
 
 ON_GPU = torch.cuda.is_available()
@@ -25,8 +25,8 @@ REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["triton", "reference"]
 # Small tiles so that the interpreter runs several programs (and the persistent loop several tiles).
-SMALL = km.MatmulConfig(16, 32, 16, 2, 4, 2, name="small")
-SMALL_TMA = km.MatmulConfig(16, 32, 16, 2, 4, 2, tma=True, name="small_tma")
+SMALL = mt.MatmulConfig(16, 32, 16, 2, 4, 2, name="small")
+SMALL_TMA = mt.MatmulConfig(16, 32, 16, 2, 4, 2, tma=True, name="small_tma")
 
 
 def _rel(out: torch.Tensor, exact: torch.Tensor) -> float:
@@ -108,27 +108,47 @@ NK = ((1024, 4096), (4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096), 
 SHAPES_MNK = [(m, n, k) for m in (1, 8, 16, 17, 64, 65, 1000, 1024, 1025, 8192, 10**5) for n, k in NK]
 
 
-def test_single_mode_ignores_m(monkeypatch):
-    monkeypatch.setattr(km, "MODE", "single")
+def test_single_table_ignores_m():
     for dtype in DTYPES:
-        assert {km.config_for(m, n, k, dtype) for m, n, k in SHAPES_MNK} == {km.SINGLE[dtype]}
-        assert km.table_configs(dtype) == [km.SINGLE[dtype]]
-        assert km.SINGLE[dtype].name in VERIFIED_CLASS[dtype]
+        assert {mt.config_for(m, n, k, dtype, "single") for m, n, k in SHAPES_MNK} == {mt.SINGLE[dtype]}
+        assert mt.table_configs(dtype, "single") == [mt.SINGLE[dtype]]
+        assert mt.SINGLE[dtype].name in VERIFIED_CLASS[dtype]
+
+
+def test_matmul_table_option_reaches_the_kernel_launch(monkeypatch):
+    """``rk.use_options(matmul_table=...)`` decides the launch of the public ``linear`` (forward and
+    backward): "single" runs ``SINGLE``'s configuration wherever the tuned table picks another."""
+    monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
+    seen = []
+    real = km._pointer_gemm
+
+    def spy(*args):
+        seen.append(args[-1].name)
+        return real(*args)
+
+    monkeypatch.setattr(km, "_pointer_gemm", spy)  # seam: a spy on the launch, not a setting
+    x, w, b = (t.requires_grad_() for t in _inputs(3, 72, 40, torch.float32, seed=5))
+    for table, expected in (("tuned", "fp32_decode"), ("single", "fp32")):
+        seen.clear()
+        with rk.use_options(matmul_table=table):
+            out = linear(x, w, b)
+        out.sum().backward()  # the backward uses the forward's options, outside the block
+        assert seen == [expected] * 3, (table, seen)  # forward, dx, dweight: all M <= 64
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tuned_table_uses_only_the_verified_class(dtype):
-    table = km.table_configs(dtype, mode="tuned")
+    table = mt.table_configs(dtype, "tuned")
     assert {c.name for c in table} <= VERIFIED_CLASS[dtype]
     if dtype != torch.float32:  # k16 tensor-core steps: BLOCK_K a multiple of 64 (fp32: 32, FMA)
         assert all(c.block_k in (64, 128, 256) for c in table)
-    for max_m, cells in km.TUNED[dtype]:
+    for max_m, cells in mt.TUNED[dtype]:
         assert set(cells) == {"narrow", "wide", "vocab"}
         assert all(not cfgs[-1].tma for cfgs in cells.values()), max_m  # a pointer config to fall to
-    assert km.TUNED[dtype][-1][0] == float("inf")
+    assert mt.TUNED[dtype][-1][0] == float("inf")
     for tma in (True, False):
         for m, n, k in SHAPES_MNK:
-            cfg = km.config_for(m, n, k, dtype, mode="tuned", tma=tma)
+            cfg = mt.config_for(m, n, k, dtype, "tuned", tma=tma)
             assert cfg in table and (tma or not cfg.tma), (m, n, k)
 
 
@@ -139,7 +159,7 @@ def test_tuned_table_choices_follow_the_h100_measurements():
     bf16 = torch.bfloat16
 
     def pick(m, n, k=4096, tma=True):
-        return km.config_for(m, n, k, bf16, mode="tuned", tma=tma).name
+        return mt.config_for(m, n, k, bf16, "tuned", tma=tma).name
 
     decode = {  # M: (narrow, wide, vocab)
         1: ("dec_n32_k256", "dec_n64_k128_s8", "dec_n64_k128_s8"),
@@ -156,74 +176,70 @@ def test_tuned_table_choices_follow_the_h100_measurements():
     assert [pick(8192, n) for n in (1024, 4096, 12288)] == ["prefill_256x128"] + ["prefill_tma_flat"] * 2
     assert pick(8192, 151936) == "prefill_tma_ws"
     assert pick(8192, 4096, tma=False) == "prefill_256x128"  # no TMA: the bucket's pointer config
-    assert km.weight_class(1024) == "narrow" and km.weight_class(151936) == "vocab"
-    info = km.describe_launch(8192, 4096, 4096, bf16)
-    assert {"block_m", "block_n", "block_k", "kernel", "tiles", "mode", "weight_class"} <= set(info)
+    assert mt.weight_class(1024) == "narrow" and mt.weight_class(151936) == "vocab"
+    info = mt.describe_launch(8192, 4096, 4096, bf16)
+    assert {"block_m", "block_n", "block_k", "kernel", "tiles", "table", "weight_class"} <= set(info)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("cls", ["narrow", "wide", "vocab"])
 def test_tuned_linear_invariant_across_bucket_edges(monkeypatch, cls, dtype):
-    """The public linear in the default mode, M = 1 ... 1100 across every bucket edge (16/17, 64/65,
-    1024/1025), each weight class, every config of the cell (tile thresholds off: the first config,
-    TMA ones included, runs wherever it fits)."""
+    """The public linear with the tuned table, M = 1 ... 1100 across every bucket edge (16/17,
+    64/65, 1024/1025), each weight class, every config of the cell (tile thresholds off: the first
+    config, TMA ones included, runs wherever it fits)."""
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
-    monkeypatch.setattr(km, "MODE", "tuned")  # the default (kept if MODE is switched to "single")
-    monkeypatch.setattr(km, "MIN_TILES", 1)
-    monkeypatch.setattr(km, "MIN_TILES_TMA", 1)
     narrow_n, vocab_n = {"narrow": (10**6, 10**7), "wide": (8, 10**7), "vocab": (8, 16)}[cls]
-    monkeypatch.setattr(km, "NARROW_N", narrow_n)
-    monkeypatch.setattr(km, "VOCAB_N", vocab_n)
+    th = rk.MatmulThresholds(narrow_n=narrow_n, vocab_n=vocab_n, min_tiles=1, min_tiles_tma=1)
     x, w, b = _inputs(1100, 72, 40, dtype, seed=12)  # K = 72: a masked / zero-filled K tail
-    full = linear(x, w, b)
-    used = set()
-    for m in (1, 3, 16, 17, 64, 65, 1024, 1025):
-        for start in {0, 1100 - m}:
-            used.add(km.config_for(m, 40, 72, dtype).name)
-            assert torch.equal(linear(x[start : start + m], w, b), full[start : start + m]), (m, start)
+    with rk.use_options(matmul_table="tuned", matmul_thresholds=th):
+        full = linear(x, w, b)
+        used = set()
+        for m in (1, 3, 16, 17, 64, 65, 1024, 1025):
+            for start in {0, 1100 - m}:
+                used.add(mt.config_for(m, 40, 72, dtype, "tuned", th).name)
+                assert torch.equal(linear(x[start : start + m], w, b), full[start : start + m]), (m, start)
     assert len(used) >= 2, used
 
 
 def test_tma_unavailable_or_failing_falls_back_within_the_class(monkeypatch):
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
-    monkeypatch.setattr(km, "MODE", "tuned")
-    monkeypatch.setattr(km, "MIN_TILES_TMA", 1)
-    monkeypatch.setattr(km, "NARROW_N", 8)  # N = 40 is "wide": prefill_tma_flat first
-    monkeypatch.setattr(km, "_tma_failed", set())
+    th = rk.MatmulThresholds(narrow_n=8, min_tiles_tma=1)  # N = 40 is "wide": prefill_tma_flat first
+    # seams: the process's TMA facts (what this Triton has, which configs failed to build here)
+    monkeypatch.setattr(mt, "tma_failed", set())  # seam: process fact
     x, w, b = _inputs(1030, 64, 40, torch.bfloat16, seed=13)
-    assert km.config_for(1030, 40, 64, torch.bfloat16).name == "prefill_tma_flat"
-    expected = linear(x, w, b)
-    monkeypatch.setattr(km, "_tma_api", False)  # an older Triton: the bucket's pointer config
-    assert not km.config_for(1030, 40, 64, torch.bfloat16).tma
-    assert torch.equal(linear(x, w, b), expected)
-    monkeypatch.setattr(km, "_tma_api", True)
+    assert mt.config_for(1030, 40, 64, torch.bfloat16, "tuned", th).name == "prefill_tma_flat"
+    with rk.use_options(matmul_thresholds=th):
+        expected = linear(x, w, b)
+        # seam (fake Triton): an older one without TMA runs the bucket's pointer config
+        monkeypatch.setattr(mt, "tma_api", False)
+        assert not mt.config_for(1030, 40, 64, torch.bfloat16, "tuned", th).tma
+        assert torch.equal(linear(x, w, b), expected)
+        monkeypatch.setattr(mt, "tma_api", True)  # seam: fake Triton
 
-    def broken(*args, **kwargs):
-        raise km.OutOfResources(262176, 232448, "shared memory")
+        def broken(*args, **kwargs):
+            raise km.OutOfResources(262176, 232448, "shared memory")
 
-    monkeypatch.setattr(km, "_launch_tma", broken)  # compiles/launches nowhere: skipped from now on
-    assert torch.equal(linear(x, w, b), expected)
-    assert km._tma_failed == {"prefill_tma_flat"}
+        monkeypatch.setattr(km, "_launch_tma", broken)  # seam: compiles nowhere, skipped from now on
+        assert torch.equal(linear(x, w, b), expected)
+    assert mt.tma_failed == {"prefill_tma_flat"}
     with pytest.raises(km.OutOfResources):  # an explicit config is never swapped
-        km.matmul(x, w.t(), config=km.CANDIDATES_16["prefill_tma"])
+        km.matmul(x, w.t(), config=mt.CANDIDATES_16["prefill_tma"])
 
 
 def test_tuned_runs_single_on_unverified_gpus(monkeypatch):
     """The table is one class only where the GPU script showed it: elsewhere "single" runs."""
     cuda0 = torch.device("cuda", 0)
-    monkeypatch.setattr(km, "MODE", "tuned")
-    monkeypatch.setattr(km, "_device_capability", lambda device: (8, 0))
-    assert km.mode_for(cuda0) == "single"
-    monkeypatch.setattr(km, "_device_capability", lambda device: (9, 0))
-    assert km.mode_for(cuda0) == "tuned"
-    assert km.mode_for(torch.device("cpu")) == "tuned"  # the interpreter runs (and tests) the table
-    monkeypatch.setattr(km, "MODE", "single")
-    assert km.mode_for(cuda0) == "single"
+    monkeypatch.setattr(mt, "device_capability", lambda device: (8, 0))  # seam: a fake GPU model
+    assert mt.table_for(cuda0, "tuned") == "single"
+    monkeypatch.setattr(mt, "device_capability", lambda device: (9, 0))  # seam: fake GPU model
+    assert mt.table_for(cuda0, "tuned") == "tuned"
+    assert mt.table_for(torch.device("cpu"), "tuned") == "tuned"  # the interpreter runs (and tests) it
+    assert mt.table_for(cuda0, "single") == "single"
 
 
 @requires_cuda
 def test_gpu_invariance_across_buckets(monkeypatch):
-    """On the GPU, in the default (tuned) MODE, across every bucket boundary and weight class."""
+    """On the GPU, with the default (tuned) table, across every bucket boundary and weight class."""
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
     for n in (384, 4096, 40000):
         x, w, b = _inputs(2048, 512, n, torch.bfloat16)
@@ -295,14 +311,19 @@ def test_backward_matches_autograd(backend, dtype):
         assert _rel(ours, exact) <= REL_TOL[dtype]
 
 
-def test_backward_through_torch_mm_switch(monkeypatch):
-    """``BACKWARD_GEMM = "torch"``: the triton forward with cuBLAS/torch.mm gradients."""
-    # (``rlkernel.invariant.matmul`` the attribute is the function; the module is in sys.modules)
-    inv = importlib.import_module("rlkernel.invariant.matmul")
+@pytest.mark.parametrize("choice", ["torch", "kernel"])
+def test_backward_gemm_option(monkeypatch, choice):
+    """``invariant_backward="torch"``: the triton forward with cuBLAS/torch.mm gradients (no kernel
+    launch in backward); ``"kernel"``: both gradients through the invariant kernel."""
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
-    monkeypatch.setattr(inv, "BACKWARD_GEMM", "torch")
+    launches = []
+    real = km._pointer_gemm
+    monkeypatch.setattr(km, "_pointer_gemm", lambda *a: launches.append(a[-1].name) or real(*a))  # seam: spy
     x, w, b = (t.requires_grad_() for t in _inputs(9, 32, 16, torch.float32, seed=11))
-    linear(x, w, b).backward(torch.ones(9, 16, device=DEVICE))
+    with rk.use_options(invariant_backward=choice):
+        out = linear(x, w, b)
+    out.backward(torch.ones(9, 16, device=DEVICE))
+    assert len(launches) == (1 if choice == "torch" else 3), launches
     torch.testing.assert_close(x.grad, w.detach().sum(0).expand(9, 32))
     torch.testing.assert_close(w.grad, x.detach().sum(0).expand(16, 32))
     torch.testing.assert_close(b.grad, torch.full((16,), 9.0, device=DEVICE))
@@ -324,8 +345,9 @@ def test_forward_backward_deterministic(backend):
 def test_custom_ops_opcheck_and_compile(monkeypatch):
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
     x, w, b = _inputs(5, 32, 16, torch.float32, seed=8)
-    torch.library.opcheck(_linear_op, (x, w, b), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(_mm_op, (x, w.t()), test_utils=("test_schema", "test_faketensor"))
+    th = [2048, 32768, 128, 512]
+    torch.library.opcheck(_linear_op, (x, w, b, "tuned", th), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(_mm_op, (x, w.t(), "single", th), test_utils=("test_schema", "test_faketensor"))
     compiled = torch.compile(lambda a: linear(a, w, b), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), linear(x, w, b))
 

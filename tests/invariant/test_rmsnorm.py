@@ -129,7 +129,7 @@ def test_forward_backward_deterministic(backend):
 @pytest.mark.parametrize("sms", [1, 3, 64])
 def test_two_stage_dweight_any_program_count(sms, monkeypatch):
     """The fp32 partials over row ranges sum to the full dweight whatever the split (1 … 100 programs)."""
-    monkeypatch.setattr(kr, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(kr, "_num_sms", lambda device: sms)  # seam: fake SM count
     x, w = _inputs((100, 16), torch.float32, seed=8)
     gy = torch.randn(100, 16, device=DEVICE)
     _, rstd = kr.rms_norm_fwd(x, w, 1e-6)

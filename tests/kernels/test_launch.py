@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rlkernel as rk
 from rlkernel.kernels import _launch
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,6 +65,7 @@ def test_hooks_installed_reads_the_hook_chains(monkeypatch):
         finally:
             chain.remove(hook)
     else:
+        # seam: Triton's own hook
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
         assert _launch._hooks_installed()
 
@@ -72,12 +74,8 @@ def _both(fn):
     """(fast, Triton's own) outputs of ``fn()``; the fast one after a warm-up call made the key."""
     fn()
     fast = fn()
-    old = _launch.enabled
-    _launch.enabled = False
-    try:
+    with rk.use_options(fast_launch=False):
         slow = fn()
-    finally:
-        _launch.enabled = old
     return fast, slow
 
 

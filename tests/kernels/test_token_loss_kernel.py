@@ -157,9 +157,7 @@ def test_backward_kernel_scale_is_read_on_device():
 # ------------------------------------------------------------------ gradient in forward (2 passes)
 @pytest.mark.parametrize("case", [0, 4, 5, 6])
 @pytest.mark.parametrize("scale", [1.0, -2.5])
-def test_gradient_in_forward_matches_three_pass(case, scale, monkeypatch):
-    import rlkernel.rl.fused as fused_mod
-
+def test_gradient_in_forward_matches_three_pass(case, scale):
     d = _batch(b=3, t=5, seed=case, per_token_adv=case % 2 == 1)
     cfg = rk.PolicyLossConfig(**CASES[case])
     g = torch.Generator().manual_seed(case)
@@ -167,19 +165,19 @@ def test_gradient_in_forward_matches_three_pass(case, scale, monkeypatch):
     ids = torch.where(d["mask"], torch.randint(0, 37, (3, 5), generator=g), -1).to(DEVICE)
 
     def run(max_vocab):
-        monkeypatch.setattr(fused_mod, "GRAD_IN_FORWARD_MAX_VOCAB", max_vocab)
         leaf = logits.clone().requires_grad_(True)
-        out = rk.fused_policy_loss(
-            cfg,
-            logits=leaf,
-            token_ids=ids,
-            old_logp=d["old_logp"].to(DEVICE),
-            advantages=d["advantages"].to(DEVICE),
-            mask=d["mask"].to(DEVICE),
-            ref_logp=d["ref_logp"].to(DEVICE),
-            rollout_logp=d["rollout_logp"].to(DEVICE),
-            temperature=0.8,
-        )
+        with rk.use_options(grad_in_forward_max_vocab=max_vocab):
+            out = rk.fused_policy_loss(
+                cfg,
+                logits=leaf,
+                token_ids=ids,
+                old_logp=d["old_logp"].to(DEVICE),
+                advantages=d["advantages"].to(DEVICE),
+                mask=d["mask"].to(DEVICE),
+                ref_logp=d["ref_logp"].to(DEVICE),
+                rollout_logp=d["rollout_logp"].to(DEVICE),
+                temperature=0.8,
+            )
         (scale * out.loss).backward()
         return out, leaf.grad
 

@@ -29,13 +29,14 @@ def triton_backend(monkeypatch):
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
     # The default chunk rule at a tiny budget: 16 rows of fp32 logits at V = 53 (the real budget
     # gives 4096 padded rows, minutes in the interpreter). test_chunk_rule checks the real rule.
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 16 * V * 4)
-    monkeypatch.setattr(engine, "GRAD_BYTES", 16 * V * 4)
     # fp32 dweight → weight dtype in slabs of 5 rows (slab 0 through a temporary, the rest in place)
-    monkeypatch.setattr(lf, "CAST_SLAB_BYTES", 5 * 4 * H)
-    # fp32 chunk logits, so half inputs can be held to fp32-reference tolerances; the default
-    # ("input": half-precision logits) is tested on its own in test_default_half_logits.
-    monkeypatch.setattr(lf, "DEFAULT_LOGITS_DTYPE", "fp32")
+    monkeypatch.setattr(lf, "CAST_SLAB_BYTES", 5 * 4 * H)  # seam: a memory bound, no switch
+    # fp32 chunk logits (the default), so half inputs are held to fp32-reference tolerances; "input"
+    # (half-precision logits) is tested on its own in test_input_dtype_logits_option.
+    with rk.use_options(
+        linear_chunk_bytes=16 * V * 4, linear_grad_bytes=16 * V * 4, linear_logits_dtype="fp32"
+    ):
+        yield
 
 
 def make(n=37, dtype=torch.float32, bias=True, seed=0, ignore=(3, 20)):
@@ -212,10 +213,11 @@ def test_bad_options():
 
 def test_chunk_rule_depends_on_vocab_and_dtype_only(monkeypatch):
     monkeypatch.undo()  # the module's real budgets
-    assert engine.chunk_rows_for(151936, torch.float32, torch.bfloat16) == 2048
-    assert engine.chunk_rows_for(151936, torch.bfloat16, torch.bfloat16) == 4096
-    assert engine.chunk_rows_for(32768, torch.bfloat16, torch.bfloat16) == 4096
-    assert engine.chunk_rows_for(10**9, torch.float32, torch.float32) == engine.MIN_CHUNK_ROWS
+    assert engine.chunk_rows_for(151936, torch.float32) == 2048
+    assert engine.chunk_rows_for(151936, torch.bfloat16) == 4096
+    assert engine.chunk_rows_for(32768, torch.bfloat16) == 4096
+    assert engine.chunk_rows_for(10**9, torch.float32) == engine.MIN_CHUNK_ROWS
+    assert engine.chunk_rows_for(151936, torch.float32, 1280 << 18) == 512  # the option's budget
     assert engine.grad_rows_for(151936, torch.bfloat16) == 4096
 
 
@@ -314,14 +316,14 @@ def test_fused_loss_no_grad_and_bad_dtype():
         lf.fused_linear_token_loss(h, w.bfloat16(), None, ids, coef_fn=coef)
 
 
-def test_default_half_logits(monkeypatch):
-    """The shipped default rounds each chunk's logits to the input dtype (as the model's LM head
-    does): bf16 logp within bf16 rounding of the logits (|z| ~ 5: ulp 2^-5) of the fp32 reference,
-    and the fp32 option much closer."""
-    monkeypatch.setattr(lf, "DEFAULT_LOGITS_DTYPE", "input")
+def test_input_dtype_logits_option():
+    """``linear_logits_dtype="input"`` rounds each chunk's logits to the input dtype (as the model's
+    LM head does): bf16 logp within bf16 rounding of the logits (|z| ~ 5: ulp 2^-5) of the fp32
+    reference, and the fp32 option much closer."""
     h, w, b, ids = make(dtype=torch.bfloat16)
     want = ref.linear_token_logprobs(h, w, ids, bias=b)
-    half = lf.linear_token_logprobs_triton(h, w, ids, bias=b)
+    with rk.use_options(linear_logits_dtype="input"):
+        half = lf.linear_token_logprobs_triton(h, w, ids, bias=b)
     full = lf.linear_token_logprobs_triton(h, w, ids, bias=b, logits_dtype="fp32")
     assert 0 < (half - want).abs().max() < 0.1
     assert (full - want).abs().max() < 2e-5
@@ -349,6 +351,7 @@ def test_fused_policy_loss_hidden_path_matches_reference_backend(preset, monkeyp
 
     calls = []
     engine = lf.fused_linear_token_loss
+    # seam: spy
     monkeypatch.setattr(lf, "fused_linear_token_loss", lambda *a, **k: calls.append(1) or engine(*a, **k))
 
     def run():

@@ -158,7 +158,7 @@ def test_inplace_backward_option_reaches_the_primitive_and_is_logits_only(monkey
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused_mod, "token_logprobs", spy)
+    monkeypatch.setattr(fused_mod, "token_logprobs", spy)  # seam: spy
     p = _problem(seed=8)
     b = p["batch"]
     kwargs = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"])
@@ -202,13 +202,12 @@ def _on_device(p):
     return q
 
 
-def _token_path_spy(monkeypatch, two_pass: bool = False):
+def _token_path_spy(monkeypatch, set_options, two_pass: bool = False):
     """Spy on the fused token-level launcher; ``two_pass`` picks (and forces) the
     gradient-in-forward path or the 3-pass one, whatever the vocabulary size."""
     import rlkernel.ops._logprobs_function as fn_mod
-    import rlkernel.rl.fused as fused_mod
 
-    monkeypatch.setattr(fused_mod, "GRAD_IN_FORWARD_MAX_VOCAB", 1 << 30 if two_pass else 0)
+    set_options(grad_in_forward_max_vocab=1 << 30 if two_pass else 0)
     name = "token_loss_grad_in_forward_triton" if two_pass else "token_loss_triton"
     calls = []
     real = getattr(fn_mod, name)
@@ -217,7 +216,7 @@ def _token_path_spy(monkeypatch, two_pass: bool = False):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fn_mod, name, spy)
+    monkeypatch.setattr(fn_mod, name, spy)  # seam: spy
     return calls
 
 
@@ -240,8 +239,8 @@ def _triton_vs_reference(cfg, p, temperature=0.7, **extra):
 @pytest.mark.parametrize("two_pass", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("name", TOKEN_LEVEL)
-def test_token_level_path_equals_composition(name, packed, two_pass, monkeypatch):
-    calls = _token_path_spy(monkeypatch, two_pass)
+def test_token_level_path_equals_composition(name, packed, two_pass, monkeypatch, set_options):
+    calls = _token_path_spy(monkeypatch, set_options, two_pass)
     cfg = config(name, kl_coef=0.1, entropy_coef=0.02, rollout_correction="seq_tis")
     p = _on_device(_problem(seed=len(name), packed=packed))
     fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
@@ -255,8 +254,8 @@ def test_token_level_path_equals_composition(name, packed, two_pass, monkeypatch
 
 @interpreter_quiet
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_token_level_path_with_global_normalizers(aggregation, monkeypatch):
-    calls = _token_path_spy(monkeypatch)
+def test_token_level_path_with_global_normalizers(aggregation, monkeypatch, set_options):
+    calls = _token_path_spy(monkeypatch, set_options)
     cfg = config("ppo", aggregation=aggregation, kl_coef=0.1, kl_estimator="k3")
     p = _on_device(_problem(seed=12))
     b = p["batch"]
@@ -277,8 +276,8 @@ def test_token_level_path_with_global_normalizers(aggregation, monkeypatch):
 
 
 @interpreter_quiet
-def test_gspo_keeps_the_composed_path(monkeypatch):
-    calls = _token_path_spy(monkeypatch)
+def test_gspo_keeps_the_composed_path(monkeypatch, set_options):
+    calls = _token_path_spy(monkeypatch, set_options)
     p = _on_device(_problem(seed=13))
     fused, composed, g_fused, g_composed = _triton_vs_reference(config("gspo"), p)
     assert not calls
@@ -361,10 +360,8 @@ RETAIN_CONFIGS = {"dapo": config("ppo", kl_coef=0.1, entropy_coef=0.02), "gspo":
 @pytest.fixture
 def small_linear_chunks(monkeypatch):
     """16-row chunks for the hidden-state Triton path (4096 padded rows take minutes interpreted)."""
-    import rlkernel.ops._linear_engine as engine
-
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 16 * VOCAB * 4)
-    monkeypatch.setattr(engine, "GRAD_BYTES", 16 * VOCAB * 4)
+    with rk.use_options(linear_chunk_bytes=16 * VOCAB * 4, linear_grad_bytes=16 * VOCAB * 4):
+        yield
 
 
 def _retain_problem(vocab, seed=40):
@@ -436,23 +433,25 @@ def test_second_backward_through_a_retained_graph_accumulates_again_hidden(small
 
 
 @interpreter_quiet
-def test_unsupported_second_backward_says_why_and_how_to_avoid_it(small_linear_chunks, monkeypatch):
+def test_unsupported_second_backward_says_why_and_how_to_avoid_it(
+    small_linear_chunks, monkeypatch, set_options
+):
     import rlkernel.ops._autograd as fn_mod
-    import rlkernel.rl.fused as fused_mod
 
     p = _retain_problem(VOCAB, seed=42)
     cfg = RETAIN_CONFIGS["dapo"]
-    routes = [  # (source, extra, GRAD_IN_FORWARD_MAX_VOCAB, the advice in the message)
-        ("logits", {}, 65536, "GRAD_IN_FORWARD_MAX_VOCAB = 0"),
+    routes = [  # (source, extra, grad_in_forward_max_vocab, the advice in the message)
+        ("logits", {}, 65536, r"use_options\(grad_in_forward_max_vocab=0\)"),
         ("logits", {"inplace_backward": True}, 65536, "inplace_backward=False"),
         ("logits", {"inplace_backward": True}, 0, "inplace_backward=False"),
-        ("hidden", {}, 65536, "TOKEN_LEVEL_FUSION = False"),
+        ("hidden", {}, 65536, r"use_options\(token_level_fusion=False\)"),
     ]
     real_graph_retained = getattr(fn_mod, "graph_retained", None)
     with rk.use_backend("triton"):
         for source, extra, vocab_max, advice in routes:
-            monkeypatch.setattr(fused_mod, "GRAD_IN_FORWARD_MAX_VOCAB", vocab_max)
+            set_options(grad_in_forward_max_vocab=vocab_max)
             # Two backwards without retain_graph: PyTorch's usual error and advice.
+            # seam: fake torch capability
             monkeypatch.setattr(fn_mod, "graph_retained", real_graph_retained, raising=False)
             with pytest.raises(
                 RuntimeError, match="backward through the graph a second time.*retain_graph=True"
@@ -460,6 +459,7 @@ def test_unsupported_second_backward_says_why_and_how_to_avoid_it(small_linear_c
                 _grads_after(cfg, p, source, 2, retain=False, **extra)
             # A torch that cannot tell a retained graph (< 2.5): the memory-saving route every time,
             # and the second backward explains itself instead of failing obscurely.
+            # seam: fake: torch < 2.5
             monkeypatch.setattr(fn_mod, "graph_retained", lambda: None, raising=False)
             with pytest.raises(RuntimeError, match="cannot tell whether a backward retains.*" + advice):
                 _grads_after(cfg, p, source, 2, **extra)

@@ -31,10 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def small_linear_chunks(monkeypatch):
     """16-row chunks and groups for the hidden-state Triton path (the default, 4096 padded rows,
     takes minutes in the interpreter)."""
-    import rlkernel.ops._linear_engine as engine
-
-    monkeypatch.setattr(engine, "CHUNK_BYTES", 16 * V * 4)
-    monkeypatch.setattr(engine, "GRAD_BYTES", 16 * V * 4)
+    with rk.use_options(linear_chunk_bytes=16 * V * 4, linear_grad_bytes=16 * V * 4):
+        yield
 
 
 def _problem(seed: int) -> dict:
@@ -77,8 +75,6 @@ PATHS = (
 
 def _run(path: str, cfg, p: dict, monkeypatch, **normalizers):
     """(loss, {leaf name: gradient}) of ``cfg`` on ``p`` along ``path``."""
-    import rlkernel.rl.fused as fused_mod
-
     common = dict(
         old_logp=p["old_logp"],
         advantages=p["advantages"],
@@ -93,10 +89,10 @@ def _run(path: str, cfg, p: dict, monkeypatch, **normalizers):
         out = rk.policy_loss(leaves["logp"], cfg=cfg, entropy=leaves["entropy"], **common)
     else:
         source, backend = path.split("-")[:2]
-        monkeypatch.setattr(fused_mod, "GRAD_IN_FORWARD_MAX_VOCAB", 0 if path.endswith("3pass") else 65536)
+        two_pass_max_vocab = 0 if path.endswith("3pass") else 65536
         names = ("logits",) if source == "logits" else ("hidden", "weight", "bias")
         leaves = {n: p[n].clone().requires_grad_(True) for n in names}
-        with rk.use_backend(backend):
+        with rk.use_backend(backend), rk.use_options(grad_in_forward_max_vocab=two_pass_max_vocab):
             out = rk.fused_policy_loss(cfg, token_ids=p["ids"], **leaves, **common)
     loss = out.loss
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)

@@ -6,15 +6,17 @@ LM head); ``matmul(a, b)`` is the same kernel with ``weight = b.T`` (a view, no 
 Backends (``rlkernel._dispatch``): the Triton kernel of :mod:`rlkernel.kernels.matmul` on CUDA for
 fp16/bf16/fp32; the row-by-row reference of :mod:`rlkernel.reference.matmul` on CPU and for fp64.
 Both are batch invariant in forward: the kernel by one K-reduction order per dtype, shared by every
-launch configuration its shape-aware table (``MODE = "tuned"``) can pick, which the GPU script
-re-verifies (see the kernel module); the reference by computing every row through an identical
+launch configuration its shape-aware table (option ``matmul_table="tuned"``) can pick, which the
+GPU tests re-verify (see the kernel module); the reference by computing every row through an identical
 fixed-shape call.
 
 Backward (training): ``dx = dy @ weight``, ``dweight = dy.T @ x``, ``dbias = Σ_rows dy``, all with
 fp32 accumulation. On the Triton backend both GEMMs run through the same kernel by default
-(``BACKWARD_GEMM = "kernel"``: no split-K, no atomics, deterministic by construction) or through
-cuBLAS (``"torch"``), and ``dbias`` through ``torch.sum`` (a fixed-order tree reduction on CUDA,
-no atomics). On the reference backend they are plain ``torch.mm`` in fp32.
+(option ``invariant_backward="kernel"``: no split-K, no atomics, deterministic by construction) or
+through cuBLAS (``"torch"``: deterministic run to run on one GPU with its default no-atomics mode
+and one stream, and faster on shapes the kernel tiles poorly), and ``dbias`` through ``torch.sum``
+(a fixed-order tree reduction on CUDA, no atomics). On the reference backend they are plain
+``torch.mm`` in fp32.
 Batch invariance is a forward property; ``dweight`` sums over the batch and naturally depends on it.
 
 The kernels are registered as ``torch.library`` custom ops (``rlkernel::invariant_linear``), so
@@ -26,7 +28,9 @@ Caveats:
       same call on the cast inputs outside autocast, on both backends.
     * The kernel and the reference give different (both accurate) bits: invariance holds within one
       backend. A rollout and a trainer must use the same backend, GPU model, Triton version and
-      kernel table (``rlkernel.kernels.matmul.MODE``/``TUNED``).
+      kernel table (the ``matmul_table`` option and ``rlkernel.kernels.matmul_table.TUNED``).
+    * The options (``matmul_table``, ``matmul_thresholds``, ``invariant_backward``) are read once per
+      call, when the forward runs; its backward uses the forward's.
 """
 
 from __future__ import annotations
@@ -36,59 +40,73 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import autocast_disabled, autocast_enabled, without_autocast
+from rlkernel._options import MatmulThresholds, current_options
 from rlkernel.reference import matmul as ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# The two backward GEMMs on the Triton backend: "kernel" (the invariant kernel: no split-K, no
-# atomics, deterministic by construction) or "torch" (cuBLAS: deterministic run to run on one GPU
-# with its default no-atomics mode and one stream, and faster on shapes the kernel tiles poorly).
-# scripts/gpu_check_invariant_ops.py times and checks both; a one-line switch.
-BACKWARD_GEMM = "kernel"
-
 
 # ------------------------------------------------------------------------------------ custom ops
+# The table options travel as plain values (a custom op's schema takes str and int lists):
+# ``table`` = the option matmul_table, ``thresholds`` = the four ints of matmul_thresholds.
 @torch.library.custom_op("rlkernel::invariant_linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, table: str, thresholds: list[int]
+) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias)`` through the Triton kernel; ``[M, N]`` in x's dtype."""
     from rlkernel.kernels import matmul as kernels
 
-    return kernels.matmul(x, weight.t(), bias=bias)
+    return kernels.matmul(x, weight.t(), bias=bias, table=table, thresholds=_thresholds(thresholds))
 
 
 @_linear_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, table, thresholds):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("rlkernel::invariant_mm", mutates_args=())
-def _mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _mm_op(a: torch.Tensor, b: torch.Tensor, table: str, thresholds: list[int]) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` (any strides) through the Triton kernel; used by the backward."""
     from rlkernel.kernels import matmul as kernels
 
-    return kernels.matmul(a, b)
+    return kernels.matmul(a, b, table=table, thresholds=_thresholds(thresholds))
 
 
 @_mm_op.register_fake
-def _(a, b):
+def _(a, b, table, thresholds):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
+def _threshold_list(th: MatmulThresholds) -> list[int]:
+    return [th.narrow_n, th.vocab_n, th.min_tiles, th.min_tiles_tma]
+
+
+_DEFAULT_THRESHOLDS = MatmulThresholds()
+
+
+def _thresholds(values: list[int]) -> MatmulThresholds:
+    th = MatmulThresholds(*values)
+    return _DEFAULT_THRESHOLDS if th == _DEFAULT_THRESHOLDS else th
+
+
 # -------------------------------------------------------------------------------------- autograd
-def _linear_fwd(x, weight, bias, backend):
-    return (
-        _dispatch.call_op(_linear_op, x, weight, bias) if backend == "triton" else ref.linear(x, weight, bias)
-    )
+def _linear_fwd(x, weight, bias, backend, opts):
+    if backend != "triton":
+        return ref.linear(x, weight, bias)
+    th = _threshold_list(opts.matmul_thresholds)
+    return _dispatch.call_op(_linear_op, x, weight, bias, opts.matmul_table, th)
 
 
 class _LinearFunction(torch.autograd.Function):
-    """``out = x @ weight.T + bias`` on 2-D ``x``; forward batch invariant, backward deterministic."""
+    """``out = x @ weight.T + bias`` on 2-D ``x``; forward batch invariant, backward deterministic.
+    ``opts``: the :class:`rlkernel.Options` of the call (the backward uses the forward's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, backend):
-        out = _linear_fwd(x, weight, bias, backend)
+    def forward(ctx, x, weight, bias, backend, opts):
+        out = _linear_fwd(x, weight, bias, backend, opts)
         ctx.save_for_backward(x, weight)
         ctx.backend = backend
+        ctx.opts = opts
         ctx.has_bias = bias is not None
         return out
 
@@ -98,12 +116,14 @@ class _LinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = db = None
-        if ctx.backend == "triton" and BACKWARD_GEMM == "kernel":
+        opts = ctx.opts
+        if ctx.backend == "triton" and opts.invariant_backward == "kernel":
             dy = grad_out.contiguous()
+            table, th = opts.matmul_table, _threshold_list(opts.matmul_thresholds)
             if need_x:
-                dx = _dispatch.call_op(_mm_op, dy, weight)  # [M, N] @ [N, K]
+                dx = _dispatch.call_op(_mm_op, dy, weight, table, th)  # [M, N] @ [N, K]
             if need_w:
-                dw = _dispatch.call_op(_mm_op, dy.t(), x)  # [N, M] @ [M, K]
+                dw = _dispatch.call_op(_mm_op, dy.t(), x, table, th)  # [N, M] @ [M, K]
         elif ctx.backend == "triton":  # cuBLAS in the inputs' dtype (fp32 accumulation)
             if need_x:
                 dx = torch.mm(grad_out, weight)
@@ -119,7 +139,7 @@ class _LinearFunction(torch.autograd.Function):
         if need_b and ctx.has_bias:
             db = grad_out.to(torch.float64 if x.dtype == torch.float64 else torch.float32).sum(0)
             db = db.to(weight.dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -163,6 +183,7 @@ def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str
 
 def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype in KERNEL_DTYPES)
+    opts = current_options()
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
@@ -170,13 +191,15 @@ def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         # No gradient wanted (a rollout / decode step): the kernel launcher directly, no views.
         from rlkernel.kernels import matmul as kernels
 
-        return kernels.linear_forward(x, weight, bias)
+        return kernels.linear_forward(
+            x, weight, bias, table=opts.matmul_table, thresholds=opts.matmul_thresholds
+        )
     lead = x.shape[:-1]
     x2 = x.reshape(lead.numel(), x.shape[-1])  # rows by count, not -1: K may be 0
     if wants_grad:
-        out = _LinearFunction.apply(x2, weight, bias, backend)
+        out = _LinearFunction.apply(x2, weight, bias, backend, opts)
     else:
-        out = _linear_fwd(x2, weight, bias, backend)
+        out = _linear_fwd(x2, weight, bias, backend, opts)
     return out.reshape(*lead, weight.shape[0])
 
 

@@ -41,8 +41,7 @@ import contextlib
 
 import torch
 
-# The one-line switch (the host-overhead script times both): False = Triton's own launch always.
-enabled = True
+from rlkernel._options import current_options
 
 # mul+add -> fma contraction for the kernels whose bits were verified with it (Triton <= 3.9's
 # default; 3.9 warns that 3.10 turns the default off, which would change their bits). Passed
@@ -115,7 +114,9 @@ class FastLauncher:
             options: launch options (``num_warps``, ``num_stages``, ``enable_fp_fusion``, …).
         """
         first = args[0]
-        if not enabled or not first.is_cuda:  # the interpreter: nothing compiled to keep
+        # The option fast_launch=False (the host-overhead script times both) is read here, at the one
+        # place every launch passes, rather than threaded through each launcher's arguments.
+        if not first.is_cuda or not current_options().fast_launch:  # interpreter: nothing to keep
             self.kernel[grid](*args, **constexprs, **options)
             return
         device = first.get_device()

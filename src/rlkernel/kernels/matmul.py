@@ -11,24 +11,9 @@ Hopper a chain of k16 tensor-core steps (``wgmma`` for >= 64-row tiles, ``mma.sy
 ones) in increasing k, so BLOCK_K = 64, 128 or 256 run the same chain; for fp32 inputs an IEEE FMA
 loop, never TF32. There is no split-K, no stream-K, no autotuning. Rows beyond M read row 0
 (pointer kernel) or zeros (TMA) and are never stored; rows never interact inside a dot. So for one
-launch configuration the sequence is the same for M = 1 and M = 100,000.
-
-The default ``MODE = "tuned"`` picks the configuration per call from ``TUNED`` by (dtype, M's
-bucket, N's weight class, grid size): the fastest candidate per shape measured on an H100
-(``docs/api/invariant_linear.md``). It stays invariant across M because every configuration in a
-dtype's table is in ONE measured class of mutually bitwise-equal configurations: the same k16 steps
-in the same order, sequential K loop, no split-K; tile shape, BLOCK_K (64/128/256: a K tail is
-zero-filled up to the tile, and the extra all-zero k16 steps add exact zeros), warps, stages,
-program order (GROUP_M), TMA or pointer loads, persistent or not change no bit (H100, triton 3.6,
-2026-11-21, K = N = 4096: bf16 13 configs, fp16 7, fp32 2, each one class; 33 more 16-row decode
-tiles with BLOCK_K 64-256 and GROUP_M = 8, bf16 and fp16, also at K = 4072, N = 1000: the same
-class per dtype). That equality is a property of the tensor-core datapath and the compiler, not of
-this code, so ``scripts/gpu_check_invariant_ops.py`` re-verifies on every run that
-``table_configs(dtype)`` is one class (and that the public ``linear`` is invariant from M = 1 to
-100,000): a GPU or Triton version that breaks the class shows up as a FAIL there. Until a GPU model
-has been checked, the tuned table is not used on it (``TUNED_CAPABILITIES``): ``MODE = "single"``
-(one configuration per dtype for every M, safe by construction) runs instead, and stays available
-as the conservative one-line switch.
+launch configuration the sequence is the same for M = 1 and M = 100,000. Which configuration runs
+is chosen per call by :mod:`rlkernel.kernels.matmul_table` (the candidates, the measured table);
+the caller passes the table option and its thresholds in (``table``, ``thresholds``).
 
 Two kernels with the same per-element arithmetic:
     * ``_matmul_kernel``: pointer loads (``cp.async`` pipelined by ``num_stages``), one program per
@@ -46,21 +31,19 @@ it, so decode is bandwidth bound and wants many tiles in flight; at M = 8192 it 
 
 Caveats:
     * Invariance holds for one configuration table on one GPU model and compiler version: a rollout
-      and a trainer that must agree bitwise must run the same ``TUNED``/``MODE`` and GPU model.
+      and a trainer that must agree bitwise must run the same ``TUNED`` table, ``matmul_table``
+      option and GPU model.
     * Only M = 1, 8, 64 and 8192 were timed per candidate (M = 256 and 2048: the table and the
       single configuration only, both ~2-4x cuBLAS; the GPU script now times the candidates
       there); the 65…1024 bucket and the tile-count thresholds
-      (``MIN_TILES``, ``MIN_TILES_TMA``) are extrapolated from them (speed only, not invariance).
+      (``min_tiles``, ``min_tiles_tma``) are extrapolated from them (speed only, not invariance).
     * The persistent TMA kernel is slower than the pointer kernel when a grid has few tiles per SM
-      (H100: k/v 4096→1024 at M = 8192, 256 tiles: 1.9x vs 1.5x cuBLAS time), hence ``MIN_TILES_TMA``.
+      (H100: k/v 4096→1024 at M = 8192, 256 tiles: 1.9x vs 1.5x cuBLAS time), hence ``min_tiles_tma``.
     * fp32 inputs use IEEE FMA (``input_precision="ieee"``), ~10x slower than TF32 tensor cores but
       within 1e-5 of the fp32 reference; TF32 would not meet the fp32 accuracy contract.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import inspect
 
 import torch
 import triton
@@ -68,224 +51,21 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from rlkernel.kernels import matmul_table as mt
 from rlkernel.kernels._dot import dot, interpreted
 from rlkernel.kernels._launch import FP_FUSION, FastLauncher, num_sms
 from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
-
-
-# ------------------------------------------------------------------------------------ configuration
-@dataclasses.dataclass(frozen=True)
-class MatmulConfig:
-    """Launch configuration. ``block_k`` and the dot's instruction kind fix a row's bits; the other
-    fields are free only where the GPU check shows that they change no bit. ``flatten`` and
-    ``warp_specialize`` are ``tl.range`` options of the persistent TMA kernel's tile loop."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    tma: bool = False
-    flatten: bool = False
-    warp_specialize: bool = False
-    name: str = ""
-
-
-# Candidates (scripts/gpu_check_invariant_ops.py checks and, with --sweep, times them all;
-# scripts/gpu_decode_gemm_sweep.py sweeps 16-row decode tiles). "decode_k128" and
-# "prefill_tma_s4" (over the H100's shared memory) are measured but kept out of the tables; the
-# mma16* and dec_* 16-row tiles were measured in the bf16 class on the H100, the dec_* ones also in
-# fp16's and at a K-tail shape (the GPU script checks every table's class on every run).
-CANDIDATES_16 = {
-    c.name: c
-    for c in (
-        MatmulConfig(128, 256, 64, 8, 8, 3, name="prefill"),
-        MatmulConfig(128, 256, 64, 8, 8, 3, tma=True, name="prefill_tma"),
-        MatmulConfig(128, 256, 64, 8, 8, 3, tma=True, flatten=True, name="prefill_tma_flat"),
-        MatmulConfig(128, 256, 64, 8, 8, 3, tma=True, warp_specialize=True, name="prefill_tma_ws"),
-        MatmulConfig(128, 256, 64, 8, 8, 4, tma=True, name="prefill_tma_s4"),
-        MatmulConfig(256, 128, 64, 8, 8, 3, name="prefill_256x128"),
-        MatmulConfig(128, 128, 64, 8, 4, 4, name="mid"),
-        MatmulConfig(128, 128, 64, 8, 4, 4, tma=True, name="mid_tma"),
-        MatmulConfig(64, 64, 64, 1, 4, 6, name="decode"),
-        MatmulConfig(64, 64, 64, 1, 4, 6, tma=True, name="decode_tma"),
-        MatmulConfig(64, 32, 64, 1, 4, 8, name="decode_n32"),
-        MatmulConfig(64, 16, 64, 1, 4, 8, name="decode_n16"),
-        MatmulConfig(64, 64, 128, 1, 4, 4, name="decode_k128"),
-        MatmulConfig(16, 64, 64, 1, 4, 4, name="mma16"),
-        MatmulConfig(16, 32, 64, 1, 2, 6, name="mma16_n32"),
-        MatmulConfig(16, 16, 64, 1, 1, 8, name="mma16_n16"),
-        # Decode (M <= 64): 16-row mma.sync tiles with 4-8x more weight bytes per pipeline stage
-        # (BLOCK_K = 128/256: the same k16 steps in the same order) and GROUP_M = 8 (the <= 4 row
-        # tiles of one column tile run together: the weight is read from HBM once). All 33 swept
-        # variants were in the bf16 and the fp16 class on the H100 (gpu_decode_gemm_sweep_*.log).
-        MatmulConfig(16, 16, 256, 8, 2, 4, name="dec_n16_k256"),
-        MatmulConfig(16, 32, 256, 8, 2, 4, name="dec_n32_k256"),
-        MatmulConfig(16, 64, 128, 8, 4, 8, name="dec_n64_k128_s8"),
-        MatmulConfig(16, 64, 128, 8, 4, 4, name="dec_n64_k128_s4"),
-        MatmulConfig(16, 64, 64, 8, 4, 12, name="dec_n64_k64_s12"),
-    )
-}
-CANDIDATES_32 = {
-    c.name: c
-    for c in (
-        MatmulConfig(64, 64, 32, 8, 4, 2, name="fp32"),
-        MatmulConfig(16, 64, 32, 1, 4, 2, name="fp32_decode"),
-    )
-}
-
-# One-line switch (see the module header): "tuned" = the measured table ``TUNED``; "single" = one
-# configuration per dtype (``SINGLE``) for every M, invariant by construction.
-MODE = "tuned"
-# GPU models (compute capability) on which the GPU script showed every table to be one class; on
-# others "tuned" runs as "single". (9, 0): H100 (and H200, the same SM).
-TUNED_CAPABILITIES = {(9, 0)}
-
-_C16, _C32 = CANDIDATES_16, CANDIDATES_32
-SINGLE = {torch.bfloat16: _C16["prefill"], torch.float16: _C16["prefill"], torch.float32: _C32["fp32"]}
-
-# Weight classes (by N alone: the weight fixes it, never the batch): "narrow" (N <= NARROW_N: GQA
-# k/v projections, few column tiles), "vocab" (N >= VOCAB_N: LM heads), "wide" (the rest: q/o, MLP).
-NARROW_N = 2048
-VOCAB_N = 32768
-# In a table cell, the first configuration whose grid has at least MIN_TILES tiles (MIN_TILES_TMA
-# for the persistent TMA kernel, which needs several tiles per SM; H100: 132 SMs) and that can run
-# is used, else the cell's last one (always a pointer configuration).
-MIN_TILES = 128
-MIN_TILES_TMA = 512
-
-
-def _cells(narrow, wide, vocab) -> dict[str, tuple[MatmulConfig, ...]]:
-    return {
-        cls: tuple(_C16[nm] for nm in names)
-        for cls, names in (("narrow", narrow), ("wide", wide), ("vocab", vocab))
-    }
-
-
-# {dtype: [(max_m, {weight class: configs}), ...]}, increasing max_m, the last unbounded. From the
-# H100 runs of 2026-11-21 (time ÷ cuBLAS at Qwen3-8B shapes; see the docs page).
-# bf16: all measured configs are one class; "decode_k128" is left out of the prefill cells anyway.
-# M <= 64 cells: scripts/gpu_decode_gemm_sweep.py (L2 flushed, kernel time), fastest in-class
-# config per (M bucket, weight class); at the sweep's cells they run 0.90-1.21x cuBLAS (k/v M = 1:
-# 12.8 vs 10.6 us; wide M = 64: gate/up 57.6 vs 48.5 us), where the former mma16_n16/n32 cells
-# ran 1.0-4.4x (their GROUP_M = 1 read the weight once per row tile at M > 16). The vocab cell at
-# M = 33-64 keeps decode_n32 (64-row wgmma tile: 454 vs 746 us for the best 16-row tile).
-_TABLE_16: list[tuple[float, dict[str, tuple[MatmulConfig, ...]]]] = [
-    (1, _cells(["dec_n32_k256"], ["dec_n64_k128_s8"], ["dec_n64_k128_s8"])),
-    (16, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k128_s8"])),
-    (32, _cells(["dec_n16_k256"], ["dec_n32_k256"], ["dec_n64_k64_s12"])),
-    (64, _cells(["dec_n16_k256"], ["dec_n64_k128_s4"], ["decode_n32"])),
-    (1024, _cells(["decode", "decode_n16"], ["mid", "decode"], ["mid"])),
-    (
-        float("inf"),
-        _cells(
-            ["prefill_256x128", "decode"],
-            ["prefill_tma_flat", "prefill_256x128", "mid"],
-            ["prefill_tma_ws", "prefill_256x128"],
-        ),
-    ),
-]
-TUNED: dict[torch.dtype, list[tuple[float, dict[str, tuple[MatmulConfig, ...]]]]] = {
-    torch.bfloat16: _TABLE_16,
-    # fp16: bf16's table. Every one of its configurations was in fp16's class on the H100 on
-    # 2026-11-22 (the dec_* tiles by gpu_decode_gemm_sweep.py --fp16, the rest by the GPU check);
-    # timed in fp16 at M <= 64 (0.93-1.22x cuBLAS), above that bf16's timings stand in.
-    torch.float16: _TABLE_16,
-    torch.float32: [
-        (64, dict.fromkeys(("narrow", "wide", "vocab"), (_C32["fp32_decode"],))),
-        (float("inf"), dict.fromkeys(("narrow", "wide", "vocab"), (_C32["fp32"],))),
-    ],
-}
-
-
-def weight_class(n: int) -> str:
-    """``"narrow"``, ``"wide"`` or ``"vocab"``: the column of ``TUNED`` for a weight with N outputs."""
-    return "narrow" if n <= NARROW_N else "vocab" if n >= VOCAB_N else "wide"
-
-
-_tma_api: bool | None = None
-_tma_failed: set[str] = set()  # TMA configs whose compilation failed here: skipped from then on
-
-
-def tma_api_available() -> bool:
-    """Whether this Triton has what the TMA kernel uses: host tensor descriptors and the
-    ``flatten``/``warp_specialize`` options of ``tl.range`` (triton >= 3.4-ish)."""
-    global _tma_api
-    if _tma_api is None:
-        try:
-            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-
-            params = inspect.signature(tl.range).parameters
-            _tma_api = "flatten" in params and "warp_specialize" in params
-        except (ImportError, TypeError, ValueError):
-            _tma_api = False
-    return _tma_api
-
-
-def config_for(
-    m: int, n: int, k: int, dtype: torch.dtype, mode: str | None = None, *, tma: bool | None = None
-) -> MatmulConfig:
-    """The configuration for an ``[m, k] @ [k, n]`` product. ``"single"``: from the dtype alone;
-    ``"tuned"``: from the dtype, M's bucket, N's weight class and the grid size (every candidate of
-    a dtype's table gives the same bits, so the choice may depend on M). ``tma``: whether the TMA
-    kernel can run (default: this Triton has the API; assumes aligned operands on Hopper)."""
-    del k  # the measured table did not need it
-    if (mode or MODE) == "single":
-        return SINGLE[dtype]
-    if tma is None:
-        tma = tma_api_available()
-    buckets = TUNED[dtype]
-    configs = next(cells for max_m, cells in buckets if m <= max_m)[weight_class(n)]
-    for cfg in configs[:-1]:
-        if cfg.tma and (not tma or cfg.name in _tma_failed):
-            continue
-        tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
-        if tiles >= (MIN_TILES_TMA if cfg.tma else MIN_TILES):
-            return cfg
-    return configs[-1]
-
-
-def table_configs(dtype: torch.dtype, mode: str | None = None) -> list[MatmulConfig]:
-    """Every config ``config_for`` can return for ``dtype`` in ``mode``: for batch invariance they
-    must all give the same bits (what the GPU script checks)."""
-    if (mode or MODE) == "single":
-        return [SINGLE[dtype]]
-    found = [cfg for _, cells in TUNED[dtype] for cfgs in cells.values() for cfg in cfgs]
-    return list(dict.fromkeys(found))  # unique, in table order
-
-
-_capability: dict[int, tuple[int, int]] = {}
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+from rlkernel.kernels.matmul_table import DEFAULT_THRESHOLDS, MatmulConfig, MatmulThresholds
 
 
 def _num_sms(device: torch.device) -> int:
     return num_sms(device, interpreter=4)  # interpreter: a few persistent programs exercise the tile loop
 
-
-def _device_capability(device: torch.device) -> tuple[int, int]:
-    idx = _device_index(device)
-    if idx not in _capability:
-        _capability[idx] = torch.cuda.get_device_capability(idx)
-    return _capability[idx]
-
-
-def mode_for(device: torch.device) -> str:
-    """``MODE``, except ``"single"`` for "tuned" on a GPU model not in ``TUNED_CAPABILITIES``. The
-    CPU interpreter runs the table (the tests check it there)."""
-    if MODE == "tuned" and device.type == "cuda" and _device_capability(device) not in TUNED_CAPABILITIES:
-        return "single"
-    return MODE
-
-
 def _tma_supported(device: torch.device) -> bool:
     if device.type == "cpu":
         return True  # interpreter
-    return _device_capability(device)[0] >= 9
+    return mt.device_capability(device)[0] >= 9
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -296,24 +76,11 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def tma_possible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the TMA kernel can run this product (any TMA config)."""
-    if a.element_size() != 2 or not tma_api_available() or not _tma_supported(a.device):
+    if a.element_size() != 2 or not mt.tma_api_available() or not _tma_supported(a.device):
         return False
     b_nk = b.t()  # [N, K]: K-major weight, or [K, N] row-major b
     return _aligned(a) and _aligned(out) and (_aligned(b_nk) or _aligned(b))
 
-
-def describe_launch(m: int, n: int, k: int, dtype: torch.dtype, mode: str | None = None) -> dict[str, object]:
-    """The launch ``matmul`` makes for ``[m, k] @ [k, n]`` (for benchmarks and logs), assuming
-    contiguous, 16-byte aligned operands on an H100."""
-    cfg = config_for(m, n, k, dtype, mode)
-    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
-    return {
-        **dataclasses.asdict(cfg),
-        "mode": mode or MODE,
-        "weight_class": weight_class(n),
-        "kernel": "tma_persistent" if cfg.tma and dtype != torch.float32 else "pointer",
-        "tiles": tiles,
-    }
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -464,15 +231,18 @@ def _matmul(
     out: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
+    table: str = "tuned",
+    thresholds: MatmulThresholds = DEFAULT_THRESHOLDS,
 ) -> None:
     """Out-variant: fills ``out [M, N]`` (any strides) with ``a [M, K] @ b [K, N] (+ bias [N])``.
 
-    ``config`` overrides the table for tests and tuning only: a row's bits may depend on it, so
-    production calls leave it None."""
+    ``table``/``thresholds``: the options ``matmul_table``/``matmul_thresholds``. ``config``
+    overrides the table for tests and tuning only: a row's bits may depend on it, so production
+    calls leave it None."""
     m, k = a.shape
     k2, n = b.shape
     assert k == k2 and out.shape == (m, n), (a.shape, b.shape, out.shape)
-    assert a.dtype == b.dtype and a.dtype in TUNED, (a.dtype, b.dtype)
+    assert a.dtype == b.dtype and a.dtype in mt.TUNED, (a.dtype, b.dtype)
     if m == 0 or n == 0:
         return
     if k == 0:
@@ -481,10 +251,11 @@ def _matmul(
     # The table is asked first as if TMA could run (no operand checks: decode-sized calls never
     # get a TMA config); only a TMA pick pays for the alignment checks, and if TMA cannot address
     # these operands the table's pointer choice for the cell runs instead.
-    cfg = config or config_for(m, n, k, a.dtype, mode_for(a.device))
+    table = mt.table_for(a.device, table)
+    cfg = config or mt.config_for(m, n, k, a.dtype, table, thresholds)
     tma = cfg.tma and tma_possible(a, b, out)
     if cfg.tma and not tma and config is None:
-        cfg = config_for(m, n, k, a.dtype, mode_for(a.device), tma=False)
+        cfg = mt.config_for(m, n, k, a.dtype, table, thresholds, tma=False)
     if bias is not None:
         bias = bias.contiguous()
     with _device_guard(a):
@@ -497,8 +268,8 @@ def _matmul(
                     raise
                 # A Triton that cannot build this TMA variant (or a GPU with less shared memory):
                 # the table's next config of the bucket, in the same bitwise class, from now on.
-                _tma_failed.add(cfg.name)
-            _matmul(a, b, out, bias=bias)
+                mt.tma_failed.add(cfg.name)
+            _matmul(a, b, out, bias=bias, table=table, thresholds=thresholds)
             return
         # An explicit TMA config on operands TMA cannot address runs the pointer kernel, same tiles.
         (so0, so1), (sa0, sa1), (sb0, sb1) = out.stride(), a.stride(), b.stride()
@@ -527,29 +298,39 @@ def _pointer_gemm(out, so0, so1, a, sa0, sa1, b, sb0, sb1, bias, m, n, k, cfg: M
     )
 
 
-# config_for results per (shape, dtype, device, table state): a decode step asks for the same few
-# shapes ~30 times. The table state (MODE, the class thresholds, failed TMA configs) is part of the
-# key, so a switch of any of them is seen at once; an in-place edit of TUNED is not.
+# config_for results per (shape, dtype, device, table options, TMA facts): a decode step asks for the
+# same few shapes ~30 times. The default thresholds are keyed as None (no dataclass hash per call);
+# an in-place edit of TUNED is not seen.
 _config_memo: dict[tuple, MatmulConfig] = {}
 
 
-def _config_cached(m: int, n: int, k: int, x: torch.Tensor) -> MatmulConfig:
-    key = (m, n, k, x.dtype, x.get_device(), MODE, NARROW_N, VOCAB_N, MIN_TILES, MIN_TILES_TMA,
-           len(_tma_failed), _tma_api)  # fmt: skip
+def _config_cached(
+    m: int, n: int, k: int, x: torch.Tensor, table: str, thresholds: MatmulThresholds
+) -> MatmulConfig:
+    th_key = None if thresholds is DEFAULT_THRESHOLDS else thresholds
+    key = (m, n, k, x.dtype, x.get_device(), table, th_key, len(mt.tma_failed), mt.tma_api)
     cfg = _config_memo.get(key)
     if cfg is None:
         if len(_config_memo) >= 4096:  # training with many distinct M: start over
             _config_memo.clear()
-        cfg = _config_memo[key] = config_for(m, n, k, x.dtype, mode_for(x.device))
+        cfg = _config_memo[key] = mt.config_for(m, n, k, x.dtype, mt.table_for(x.device, table), thresholds)
     return cfg
 
 
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    table: str = "tuned",
+    thresholds: MatmulThresholds = DEFAULT_THRESHOLDS,
+) -> torch.Tensor:
     """``x [..., K] @ weight[N, K].T (+ bias [N])`` as a new ``[..., N]`` tensor in x's dtype: the
     forward of ``rlkernel.invariant.linear`` with the fewest host operations for decode-sized calls
     (no reshape or transpose views: the kernel reads ``weight``'s strides as the K-major ``b``, and
     a contiguous ``x`` is read as ``[M, K]`` rows). Same configuration table, same bits as
-    ``matmul(x.reshape(M, K), weight.t(), bias=bias)``. Inputs are validated by the caller."""
+    ``matmul(x.reshape(M, K), weight.t(), bias=bias)``. Inputs are validated by the caller;
+    ``table``/``thresholds`` as in :func:`matmul`."""
     k = x.shape[-1]
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -562,11 +343,11 @@ def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if sa0 is None or m == 0 or n == 0 or k == 0:
         # Rows by count, not -1: with K = 0 or N = 0 an empty tensor's row count is ambiguous.
         m = x.shape[:-1].numel()
-        _matmul(x.reshape(m, k), weight.t(), out.view(m, n), bias=bias)
+        _matmul(x.reshape(m, k), weight.t(), out.view(m, n), bias=bias, table=table, thresholds=thresholds)
         return out
-    cfg = _config_cached(m, n, k, x)
+    cfg = _config_cached(m, n, k, x, table, thresholds)
     if cfg.tma:  # prefill-sized: the general launcher (TMA descriptors, alignment checks)
-        _matmul(x.reshape(m, k), weight.t(), out.view(m, n), bias=bias)
+        _matmul(x.reshape(m, k), weight.t(), out.view(m, n), bias=bias, table=table, thresholds=thresholds)
         return out
     if bias is not None:
         bias = bias.contiguous()
@@ -621,9 +402,13 @@ def matmul(
     *,
     bias: torch.Tensor | None = None,
     config: MatmulConfig | None = None,
+    table: str = "tuned",
+    thresholds: MatmulThresholds = DEFAULT_THRESHOLDS,
 ) -> torch.Tensor:
     """Allocating: ``a [M, K] @ b [K, N] (+ bias [N])`` as a new contiguous ``[M, N]`` tensor in
-    ``a``'s dtype. Operands may have any strides (``b = weight.t()`` for ``linear``)."""
+    ``a``'s dtype. Operands may have any strides (``b = weight.t()`` for ``linear``). ``table``
+    (``"tuned"`` | ``"single"``) and ``thresholds``: the options ``matmul_table`` and
+    ``matmul_thresholds`` (the caller reads them; unverified GPU models run "single")."""
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    _matmul(a, b, out, bias=bias, config=config)
+    _matmul(a, b, out, bias=bias, config=config, table=table, thresholds=thresholds)
     return out

@@ -8,26 +8,85 @@ also holds the loop's small helpers: the ``mm(out_dtype=fp32)`` probe, the per-c
 call, the fp32 padding of per-row vectors and the dweight buffer.
 
 The algorithm, the chunk rule, the memory model and the Caveats are in the docstring of
-:mod:`rlkernel.ops._linear_function`, which also keeps the tunables (chunk and gradient budgets,
-default logits dtype and dweight accumulation) and the size rules that read them: callers and tests
-change those module globals at run time, so :class:`_Engine` looks the rules up there at call time.
+:mod:`rlkernel.ops._linear_function`. The tunables (chunk and gradient budgets, logits dtype,
+dweight accumulation) are options (``rlkernel.Options``: ``linear_chunk_bytes``,
+``linear_grad_bytes``, ``linear_logits_dtype``, ``linear_dweight_accum``), read once per call into
+an :class:`EngineSettings` that the engine gets explicitly.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from rlkernel._options import DEFAULTS, DweightAccum, LogitsDtype, Options
 from rlkernel.kernels import logprobs as lk
 
-# Budgets of one chunk's logits and of one group's gradient; the row counts are the largest
-# powers of two that fit, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]; functions of V and dtypes only.
-# At V = 151,936: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient groups of 4096 rows.
-# Larger chunks and groups measured faster (H100, fp32 logits, fp32 dweight: C/G = 512/2048,
-# 1024/2048, 2048/4096 -> 1.36, 1.28, 1.22x the 3-GEMM ceiling; peak 3.5, 3.8, 5.1 GB): the
-# dweight GEMM's K is the group size, and each group rewrites the fp32 V x H accumulator once.
-CHUNK_BYTES = 1280 << 20
-GRAD_BYTES = 1280 << 20
+# Row counts are the largest powers of two whose chunk (group) fits the option's byte budget, within
+# [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]: functions of V and the dtypes only, never of N. At V = 151,936
+# and the default 1280 MiB budgets: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient
+# groups of 4096 rows (why these budgets: docs/api/options.md).
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """One call's engine settings.
+
+    Attributes:
+        chunk_rows: rows per logits chunk, or None for :func:`chunk_rows_for` (tests and tuning
+            only: a row's bits depend on it).
+        grad_rows: rows per gradient group, or None for :func:`grad_rows_for` (no logp bit depends
+            on it).
+        logits_dtype, dweight_accum, chunk_bytes, grad_bytes: the options ``linear_logits_dtype``,
+            ``linear_dweight_accum``, ``linear_chunk_bytes``, ``linear_grad_bytes``.
+        grad_enabled: whether the fused loss computes gradients (``torch.is_grad_enabled()`` at the
+            call; the primitive's backward ignores it).
+    """
+
+    chunk_rows: int | None = None
+    grad_rows: int | None = None
+    logits_dtype: LogitsDtype = DEFAULTS.linear_logits_dtype
+    dweight_accum: DweightAccum = DEFAULTS.linear_dweight_accum
+    chunk_bytes: int = DEFAULTS.linear_chunk_bytes
+    grad_bytes: int = DEFAULTS.linear_grad_bytes
+    grad_enabled: bool = True
+
+    @classmethod
+    def from_options(
+        cls,
+        options: Options,
+        *,
+        chunk_rows: int | None = None,
+        grad_rows: int | None = None,
+        logits_dtype: LogitsDtype | None = None,
+        dweight_accum: DweightAccum | None = None,
+        grad_enabled: bool = True,
+    ) -> EngineSettings:
+        """The settings of one call: explicit arguments, else the options (validated).
+
+        Raises:
+            ValueError: a bad ``chunk_rows``/``grad_rows``/``logits_dtype``/``dweight_accum``.
+        """
+        logits_dtype = options.linear_logits_dtype if logits_dtype is None else logits_dtype
+        dweight_accum = options.linear_dweight_accum if dweight_accum is None else dweight_accum
+        if logits_dtype not in ("fp32", "input"):
+            raise ValueError(f"logits_dtype must be 'fp32' or 'input', got {logits_dtype!r}")
+        if dweight_accum not in ("fp32", "weight"):
+            raise ValueError(f"dweight_accum must be 'fp32' or 'weight', got {dweight_accum!r}")
+        for name, x in (("chunk_rows", chunk_rows), ("grad_rows", grad_rows)):
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {x!r}")
+        return cls(
+            chunk_rows,
+            grad_rows,
+            logits_dtype,
+            dweight_accum,
+            options.linear_chunk_bytes,
+            options.linear_grad_bytes,
+            grad_enabled,
+        )
 
 
 def _pow2_rows(budget: int, per_row: int, lo: int, hi: int) -> int:
@@ -35,19 +94,20 @@ def _pow2_rows(budget: int, per_row: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << (rows.bit_length() - 1)))
 
 
-def chunk_rows_for(vocab: int, logits_dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+def chunk_rows_for(
+    vocab: int, logits_dtype: torch.dtype, chunk_bytes: int = DEFAULTS.linear_chunk_bytes
+) -> int:
     """Rows per logits chunk (the row-invariance unit): the largest power of two whose ``[C, V]``
-    logits fit ``CHUNK_BYTES``, within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]. A function of V and the
-    dtypes only, never of N. ``grad_dtype`` is unused today (kept so the rule may count it)."""
-    del grad_dtype
-    return _pow2_rows(CHUNK_BYTES, vocab * logits_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+    logits fit ``chunk_bytes`` (the option ``linear_chunk_bytes``), within [MIN_CHUNK_ROWS,
+    MAX_CHUNK_ROWS]. A function of V, the dtype and the budget only, never of N."""
+    return _pow2_rows(chunk_bytes, vocab * logits_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
 
 
-def grad_rows_for(vocab: int, grad_dtype: torch.dtype) -> int:
+def grad_rows_for(vocab: int, grad_dtype: torch.dtype, grad_bytes: int = DEFAULTS.linear_grad_bytes) -> int:
     """Rows per gradient group (the M of the dhidden GEMM and K of the dweight GEMM): the largest
-    power of two whose ``[G, V]`` gradient fits ``GRAD_BYTES``. Fewer, larger groups mean fewer
-    read-modify-writes of the V·H dweight accumulator (one per group)."""
-    return _pow2_rows(GRAD_BYTES, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+    power of two whose ``[G, V]`` gradient fits ``grad_bytes`` (the option ``linear_grad_bytes``).
+    Fewer, larger groups mean fewer read-modify-writes of the V·H dweight accumulator (one each)."""
+    return _pow2_rows(grad_bytes, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
 
 _out_dtype_ok: dict[str, bool] = {}
 
@@ -84,7 +144,7 @@ class _Engine:
     fp32 logits of one chunk ``[c, V]`` (bf16 logits live in the gradient buffer, in place).
     """
 
-    def __init__(self, hidden, weight, bias, ids, temperature, ignore_index, opts):
+    def __init__(self, hidden, weight, bias, ids, temperature, ignore_index, settings: EngineSettings):
         self.h, self.w, self.ids = hidden, weight, ids
         self.t, self.ii = float(temperature), int(ignore_index)
         self.n, self.hdim = hidden.shape
@@ -92,15 +152,15 @@ class _Engine:
         dev, dt = hidden.device, hidden.dtype
         self.w32 = None
         zdt = dt
-        if dt in (torch.float16, torch.bfloat16) and opts["logits"] == "fp32":
+        if dt in (torch.float16, torch.bfloat16) and settings.logits_dtype == "fp32":
             if dev.type != "cuda":
                 # CPU (interpreter tests): no mm(out_dtype=...) there; an fp32 weight copy per call.
                 zdt, self.w32 = torch.float32, weight.float()
             elif _mm_out_dtype_supported(dev):
                 zdt = torch.float32
         self.zdt = zdt
-        self.c = opts["chunk_rows"] or chunk_rows_for(self.v, zdt, dt)
-        cg = opts["grad_rows"] or grad_rows_for(self.v, dt)
+        self.c = settings.chunk_rows or chunk_rows_for(self.v, zdt, settings.chunk_bytes)
+        cg = settings.grad_rows or grad_rows_for(self.v, dt, settings.grad_bytes)
         self.cg = max(self.c, cg // self.c * self.c)
         self.hbuf = torch.empty(self.cg, self.hdim, dtype=dt, device=dev)
         self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)

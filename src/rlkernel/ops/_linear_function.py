@@ -95,31 +95,15 @@ Caveats:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
 from rlkernel._autocast import without_autocast
+from rlkernel._options import DweightAccum, LogitsDtype, current_options
 from rlkernel.ops import _autograd as autograd_state
-from rlkernel.ops._linear_engine import (  # noqa: F401 - _mm_out_dtype_supported: re-exported
-    _dweight_buffer,
-    _Engine,
-    _mm_out_dtype_supported,
-    _padded,
-)
+from rlkernel.ops._linear_engine import EngineSettings, _dweight_buffer, _Engine, _padded
 
-LogitsDtype = Literal["fp32", "input"]
-DweightAccum = Literal["fp32", "weight"]
-
-# Defaults (see docs/guides/linear-path.md and scripts/gpu_check_linear.py for the measurements).
-# fp32 chunk logits by default: the numerical contract (logp within ~1e-5 of the fp32 reference;
-# bf16 logits are off by up to 3e-2 at V = 151,936 and move the DAPO loss gradient by 4 % rel).
-# "input" (the input dtype, as the model's own LM head and inference engines give) is 5-6 %
-# faster (H100, N = 8192, H = 4096: 1.15x vs 1.22x the 3-GEMM ceiling; 2026-11-21,
-# benchmarks/results/gpu_check_linear_h100_2026-11-21.log).
-DEFAULT_LOGITS_DTYPE: LogitsDtype = "fp32"
-DEFAULT_DWEIGHT_ACCUM: DweightAccum = "fp32"
-# Rows of dweight cast per slab at the end of the fp32 accumulation.
+# Rows of dweight cast per slab at the end of the fp32 accumulation (bounds the cast's temporary).
 CAST_SLAB_BYTES = 64 << 20
 
 CoefFn = Callable[
@@ -162,8 +146,8 @@ class _LinearLogprobsFunction(torch.autograd.Function):
     """logp, entropy = f(hidden, weight, bias); backward recomputes each chunk (4 GEMMs in all)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, return_entropy, opts):
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, opts)
+    def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, return_entropy, settings):
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings)
         dev = hidden.device
         logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
         lse = torch.empty(eng.n, dtype=torch.float32, device=dev)
@@ -179,7 +163,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
                 if en is not None:
                     entropy[r] = en[:cnt]
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.args = (temperature, ignore_index, return_entropy, opts)
+        ctx.args = (temperature, ignore_index, return_entropy, settings)
         ctx.set_materialize_grads(False)
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -189,18 +173,18 @@ class _LinearLogprobsFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, g_logp, g_ent):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
-        temperature, ignore_index, return_entropy, opts = ctx.args
+        temperature, ignore_index, return_entropy, settings = ctx.args
         none = (None,) * 8
         if not return_entropy:
             g_ent = None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
             return none
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, opts)
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings)
         gl = None if g_logp is None else g_logp.reshape(-1).to(torch.float32)
         ge = None if g_ent is None else g_ent.reshape(-1).to(torch.float32)
         dh = torch.empty_like(hidden) if need_h else None
-        dw = _dweight_buffer(weight, opts["dweight_accum"]) if need_w else None
+        dw = _dweight_buffer(weight, settings.dweight_accum) if need_w else None
         db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         c = eng.c
         for rows in eng.groups():
@@ -226,25 +210,6 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
-def _options(chunk_rows, grad_rows, logits_dtype, dweight_accum):
-    # None: the module defaults, read at call time (so a caller or test can change them).
-    logits_dtype = DEFAULT_LOGITS_DTYPE if logits_dtype is None else logits_dtype
-    dweight_accum = DEFAULT_DWEIGHT_ACCUM if dweight_accum is None else dweight_accum
-    if logits_dtype not in ("fp32", "input"):
-        raise ValueError(f"logits_dtype must be 'fp32' or 'input', got {logits_dtype!r}")
-    if dweight_accum not in ("fp32", "weight"):
-        raise ValueError(f"dweight_accum must be 'fp32' or 'weight', got {dweight_accum!r}")
-    for name, x in (("chunk_rows", chunk_rows), ("grad_rows", grad_rows)):
-        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {x!r}")
-    return {
-        "chunk_rows": chunk_rows,
-        "grad_rows": grad_rows,
-        "logits": logits_dtype,
-        "dweight_accum": dweight_accum,
-    }
-
-
 def _flatten(hidden, token_ids):
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
     return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), token_ids.reshape(-1).long()
@@ -268,18 +233,28 @@ def linear_token_logprobs_triton(
 
     Args:
         hidden ``[..., H]``, weight ``[V, H]``, token_ids ``[...]``, bias ``[V]``: fp16/bf16/fp32.
-        chunk_rows: rows per logits chunk (tests and tuning; ``None``: ``_linear_engine.chunk_rows_for``). A
-            row's bits depend on it, so production calls leave it None.
-        grad_rows: rows per gradient group (``None``: ``_linear_engine.grad_rows_for``; rounded down to a
-            multiple of the chunk rows). Changes no logp bit, only the gradient GEMMs' shapes.
+        chunk_rows: rows per logits chunk (tests and tuning; ``None``: ``chunk_rows_for`` of the
+            option ``linear_chunk_bytes``). A row's bits depend on it: production calls leave it None.
+        grad_rows: rows per gradient group (``None``: ``grad_rows_for`` of ``linear_grad_bytes``;
+            rounded down to a multiple of the chunk rows). Changes no logp bit, only GEMM shapes.
         logits_dtype: ``"fp32"`` chunk logits (from ``mm(out_dtype=fp32)``) or ``"input"`` (the
-            input dtype, e.g. bf16, as the model's own LM head gives); None: ``DEFAULT_LOGITS_DTYPE``.
-        dweight_accum: ``"fp32"`` accumulator across chunks or ``"weight"`` (the weight's dtype).
+            input dtype, e.g. bf16, as the model's own LM head gives); None: the option
+            ``linear_logits_dtype``.
+        dweight_accum: ``"fp32"`` accumulator across chunks or ``"weight"`` (the weight's dtype);
+            None: the option ``linear_dweight_accum``.
+
+    The options in force (``rlkernel.use_options``) are read once, here.
 
     Returns:
         fp32 ``logp [...]``, or ``(logp, entropy)``.
     """
-    opts = _options(chunk_rows, grad_rows, logits_dtype, dweight_accum)
+    settings = EngineSettings.from_options(
+        current_options(),
+        chunk_rows=chunk_rows,
+        grad_rows=grad_rows,
+        logits_dtype=logits_dtype,
+        dweight_accum=dweight_accum,
+    )
     if hidden.dtype == torch.float64:  # no fp64 kernel (fp32 statistics): the reference, in double
         from rlkernel.reference import logprobs as ref
 
@@ -295,7 +270,7 @@ def linear_token_logprobs_triton(
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)
     logp, entropy = _LinearLogprobsFunction.apply(
-        h, weight, bias, ids, float(temperature), int(ignore_index), bool(return_entropy), opts
+        h, weight, bias, ids, float(temperature), int(ignore_index), bool(return_entropy), settings
     )
     if return_entropy:
         return logp.reshape(lead), entropy.reshape(lead)
@@ -307,11 +282,11 @@ class _FusedLinearLossFunction(torch.autograd.Function):
     """loss = Σ_chunks coef_fn(...)[0]; gradients computed in forward for upstream 1 (3 GEMMs)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, opts):
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, opts)
+    def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, settings):
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings)
         dev = hidden.device
         # Gradients only where autograd will ask for them (none under torch.no_grad(): 1 GEMM).
-        grad_on = opts["grad_enabled"]
+        grad_on = settings.grad_enabled
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
@@ -319,7 +294,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         entropy = torch.empty(eng.n, dtype=torch.float32, device=dev) if with_entropy else None
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         dh = torch.empty_like(hidden) if need_h else None
-        dw = _dweight_buffer(weight, opts["dweight_accum"]) if need_w else None
+        dw = _dweight_buffer(weight, settings.dweight_accum) if need_w else None
         db = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
         c = eng.c
         for rows in eng.groups():
@@ -357,7 +332,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             raise autograd_state.second_backward_error(
                 "the first backward handed out the gradients computed in the forward (the fused "
                 "hidden-state loss), scaled in place",
-                "use rlkernel.rl.fused.TOKEN_LEVEL_FUSION = False (the 4-GEMM composed path)",
+                "run it under rlkernel.use_options(token_level_fusion=False) (the 4-GEMM composed path)",
             )
         dh, dw, db = ctx.grads
         w_dtype, b_dtype = ctx.dtypes
@@ -428,11 +403,17 @@ def fused_linear_token_loss(
             f"fused_linear_token_loss takes fp16/bf16/fp32 hidden and weight of one dtype, got hidden "
             f"{hidden.dtype} and weight {weight.dtype} (fp64 has no kernel: use the reference path)"
         )
-    opts = _options(chunk_rows, grad_rows, logits_dtype, dweight_accum)
-    opts["grad_enabled"] = torch.is_grad_enabled()
+    settings = EngineSettings.from_options(
+        current_options(),
+        chunk_rows=chunk_rows,
+        grad_rows=grad_rows,
+        logits_dtype=logits_dtype,
+        dweight_accum=dweight_accum,
+        grad_enabled=torch.is_grad_enabled(),
+    )
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)
     outs = _FusedLinearLossFunction.apply(
-        h, weight, bias, ids, float(temperature), int(ignore_index), bool(with_entropy), coef_fn, opts
+        h, weight, bias, ids, float(temperature), int(ignore_index), bool(with_entropy), coef_fn, settings
     )
     return (outs[0], *(o.reshape(lead) for o in outs[1:]))

@@ -22,7 +22,7 @@ Caveats:
       ``torch._C._autograd._get_current_graph_task_keep_graph`` (torch >= 2.5); on older torch the
       in-place / gradient-in-forward routes are taken every time, and a second backward raises a
       RuntimeError that says how to avoid it (``inplace_backward=False``, or
-      ``rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB = 0``).
+      ``rk.use_options(grad_in_forward_max_vocab=0)``).
     * Inside ``torch.compile`` the in-place option falls back to the out-of-place kernel
       (``_INPLACE_UNDER_COMPILE``). With torch 2.13 on CPU, AOTAutograd does trace the mutation of a
       forward input in backward (``auto_functionalized_v2``, then re-inplaced by Inductor when the
@@ -325,8 +325,8 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
         if grad is None:
             raise autograd_state.second_backward_error(
                 "the first backward handed out the gradient computed in the forward (the fused loss's "
-                "gradient-in-forward path, V <= rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB)",
-                "set rlkernel.rl.fused.GRAD_IN_FORWARD_MAX_VOCAB = 0 (the 3-pass path)",
+                "gradient-in-forward path, V <= the option grad_in_forward_max_vocab)",
+                "run it under rlkernel.use_options(grad_in_forward_max_vocab=0) (the 3-pass path)",
             )
         scale = grad_loss.detach().reshape(1).to(device=grad.device, dtype=torch.float32)
         if autograd_state.graph_retained():  # another backward will read the buffer: hand out a rescaled copy

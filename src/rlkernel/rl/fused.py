@@ -16,9 +16,12 @@ not run under autograd: a plan of per-token constants is built with a few torch 
     backward  one log-prob backward launch, scaled in-kernel by the upstream gradient
 
 instead of ~100 small autograd launches (1.8–2.0 ms of host time per call at N = 8192 on an H100).
-For V <= ``GRAD_IN_FORWARD_MAX_VOCAB`` (65,536 by default; 0 turns it off), when the logits require
-grad and ``inplace_backward`` is off, the gradient is instead written during the forward (2 passes
-over the logits) and the backward only rescales it.
+For V <= the option ``grad_in_forward_max_vocab`` (65,536 by default; 0 turns it off), when the
+logits require grad and ``inplace_backward`` is off, the gradient is instead written during the
+forward (2 passes over the logits) and the backward only rescales it. The option
+``token_level_fusion=False`` sends every call to the composed path (for comparisons). Both options
+are read once per call (``rlkernel.use_options``; measurements behind the defaults:
+``docs/api/options.md``).
 gspo, gspo_token and gmpo (sequence-coupled gradients), the hidden-state path, fp64 logits, the
 reference backend and ``torch.compile`` tracing keep the composed path. Both give the same loss,
 gradients (to fp32 rounding) and metrics.
@@ -43,6 +46,7 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel._options import Options, current_options
 from rlkernel.ops.logprobs import (
     _check_common,
     check_linear_inputs,
@@ -55,23 +59,12 @@ from rlkernel.rl.loss import PolicyLossOutput, policy_loss
 
 IGNORE_INDEX = token_loss.IGNORE_INDEX
 
-# Whether eligible configs take the fused token-level path (False: always the composed path; for
-# comparisons and benchmarks of the two).
-TOKEN_LEVEL_FUSION = True
 
-# Gradient-in-forward (2 passes over the logits instead of 3) for V <= this, when the logits
-# require grad and inplace_backward is False. The second pass re-reads the row from L2, which holds
-# the rows in flight of every SM only for V <= ~64k. Measured (H100, N = 8192, bf16, DAPO + KL,
-# back-to-back calls, 2026-11-21, benchmarks/results/gpu_check_loss_h100_2026-11-21.log):
-# V = 32,768: 0.72 ms vs 1.11 ms for the 3-pass path (Liger 0.74 ms); V = 151,936: 2.67 vs 2.66 ms
-# (no gain: the rows do not stay in L2), so it stays 3-pass there.
-GRAD_IN_FORWARD_MAX_VOCAB = 65536
-
-
-def _token_level(cfg: PolicyLossConfig, x: object) -> bool:
-    """Whether a call whose logits (or hidden states) are ``x`` takes a fused token-level path: an
-    eligible objective, eager mode, and the Triton backend for ``x`` (see the module docstring)."""
-    if not TOKEN_LEVEL_FUSION or not isinstance(x, torch.Tensor) or not token_loss.is_eligible(cfg):
+def _token_level(cfg: PolicyLossConfig, x: object, opts: Options) -> bool:
+    """Whether a call whose logits (or hidden states) are ``x`` takes a fused token-level path: the
+    option ``token_level_fusion``, an eligible objective, eager mode, and the Triton backend for
+    ``x`` (see the module docstring)."""
+    if not opts.token_level_fusion or not isinstance(x, torch.Tensor) or not token_loss.is_eligible(cfg):
         return False
     if torch.compiler.is_compiling():
         return False
@@ -79,13 +72,13 @@ def _token_level(cfg: PolicyLossConfig, x: object) -> bool:
     return _dispatch.resolve_backend(x.device, has_kernel=has_kernel) == "triton"
 
 
-def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object) -> bool:
+def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object, opts: Options) -> bool:
     """Whether a hidden-state call takes the fused linear path (gradient computed while each
     chunk's logits are live: 3 GEMMs instead of 4; see rlkernel.ops._linear_function)."""
     if not isinstance(weight, torch.Tensor) or not isinstance(hidden, torch.Tensor):
         return False
     # A dtype mismatch takes the primitive path, which raises the clear error.
-    return weight.dtype == hidden.dtype and _token_level(cfg, hidden)
+    return weight.dtype == hidden.dtype and _token_level(cfg, hidden, opts)
 
 
 def _masked_ids(token_ids: object, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +203,13 @@ def fused_policy_loss(
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
     )
-    if _token_level(cfg, logits):
-        return _fused_token_level(cfg, logits, token_ids, (ids, active), batch, temperature, inplace_backward)
-    if not tp and _token_level_linear(cfg, hidden, weight):
+    opts = current_options()
+    if _token_level(cfg, logits, opts):
+        two_pass_max_vocab = opts.grad_in_forward_max_vocab
+        return _fused_token_level(
+            cfg, logits, token_ids, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
+        )
+    if not tp and _token_level_linear(cfg, hidden, weight, opts):
         return _fused_linear_token_level(
             cfg, hidden, weight, bias, token_ids, (ids, active), batch, temperature
         )
@@ -247,8 +244,11 @@ def _output(loss, logp, entropy, cfg, batch) -> PolicyLossOutput:
     return PolicyLossOutput(loss, compute_metrics=lambda: _composed(logp, entropy, cfg, batch).metrics)
 
 
-def _fused_token_level(cfg, logits, token_ids, masked_ids, batch, temperature, inplace_backward):
-    """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy."""
+def _fused_token_level(
+    cfg, logits, token_ids, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab
+):
+    """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy.
+    ``two_pass_max_vocab``: the option ``grad_in_forward_max_vocab``."""
     from rlkernel.ops._logprobs_function import token_loss_triton
 
     check.float_tensor("logits", logits, min_dim=1)
@@ -257,7 +257,7 @@ def _fused_token_level(cfg, logits, token_ids, masked_ids, batch, temperature, i
         raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
     plan = _plan(cfg, token_ids, (ids, masked_ids[1]), batch)
     two_pass = (
-        logits.shape[-1] <= GRAD_IN_FORWARD_MAX_VOCAB
+        logits.shape[-1] <= two_pass_max_vocab
         and not inplace_backward
         and logits.requires_grad
         and torch.is_grad_enabled()
