@@ -28,9 +28,11 @@ def _linear_kernel_available(dtype: torch.dtype) -> bool:
     return dtype != torch.float64
 
 
-def _check_common(
+def check_common(
     name: str, x: torch.Tensor, token_ids: object, temperature: float, ignore_index: int
 ) -> torch.Tensor:
+    """The checks both primitives make of ``token_ids`` (int, the leading shape and device of
+    ``x``), ``temperature`` and ``ignore_index``; returns the ids."""
     ids = check.int_tensor("token_ids", token_ids)
     check.same_shape("token_ids", ids, f"{name}.shape[:-1]", x.shape[:-1])
     check.same_device("token_ids", ids, name, x.device)
@@ -87,12 +89,34 @@ def token_logprobs(
         ValueError: shape/device mismatch, temperature <= 0, V == 0, ids out of range.
     """
     check.float_tensor("logits", logits, min_dim=1)
-    ids = _check_common("logits", logits, token_ids, temperature, ignore_index)
+    ids = check_common("logits", logits, token_ids, temperature, ignore_index)
     vocab = logits.shape[-1]
     if vocab < 1:
         raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
     if validate:
         check.token_ids_in_range("token_ids", ids, vocab, ignore_index)
+    return token_logprobs_checked(
+        logits,
+        ids,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+        inplace_backward=inplace_backward,
+    )
+
+
+def token_logprobs_checked(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+    inplace_backward: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` on inputs its checks already passed (``ids`` the int tensor they
+    returned; a caller that validated them itself, e.g. ``fused_policy_loss``, checks nothing
+    twice): dispatch to the Triton path or the reference."""
     # fp64 has no kernel (the kernels accumulate in fp32): it takes the reference under every mode.
     backend = _dispatch.resolve_backend(logits.device, has_kernel=logits.dtype != torch.float64)
     if backend == "triton":
@@ -135,7 +159,7 @@ def check_linear_inputs(
         check.float_tensor("bias", bias)
         check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
         check.same_device("bias", bias, "hidden", hidden.device)
-    return _check_common("hidden", hidden, token_ids, temperature, ignore_index)
+    return check_common("hidden", hidden, token_ids, temperature, ignore_index)
 
 
 @without_autocast
@@ -191,16 +215,34 @@ def linear_token_logprobs(
             return_entropy=return_entropy,
         )
     ids = check_linear_inputs(hidden, weight, token_ids, bias, temperature, ignore_index)
-    options = dict(
-        bias=bias, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
-    )
     if validate:
         check.token_ids_in_range("token_ids", ids, weight.shape[0], ignore_index)
+    return linear_token_logprobs_checked(
+        hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
+        return_entropy=return_entropy,
+    )  # fmt: skip
+
+
+def linear_token_logprobs_checked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    return_entropy: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_token_logprobs` (single GPU) on inputs :func:`check_linear_inputs` already
+    passed: dispatch to the Triton chunk engine or the reference."""
     backend = _dispatch.resolve_backend(hidden.device, has_kernel=_linear_kernel_available(hidden.dtype))
     if backend == "triton":
         from rlkernel.ops._linear_function import linear_token_logprobs_triton
 
-        return linear_token_logprobs_triton(hidden, weight, ids, **options)
+        return linear_token_logprobs_triton(
+            hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy,
+        )  # fmt: skip
     return ref.linear_token_logprobs(
         hidden,
         weight,

@@ -48,14 +48,16 @@ from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import Options, current_options
 from rlkernel.ops.logprobs import (
-    _check_common,
+    check_common,
     check_linear_inputs,
     linear_token_logprobs,
-    token_logprobs,
+    linear_token_logprobs_checked,
+    token_logprobs_checked,
 )
 from rlkernel.rl import token_loss
+from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
-from rlkernel.rl.loss import PolicyLossOutput, policy_loss
+from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
 
 IGNORE_INDEX = token_loss.IGNORE_INDEX
 
@@ -79,18 +81,6 @@ def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object, o
         return False
     # A dtype mismatch takes the primitive path, which raises the clear error.
     return weight.dtype == hidden.dtype and _token_level(cfg, hidden, opts)
-
-
-def _masked_ids(token_ids: object, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, active)``: token ids with every masked position replaced by :data:`IGNORE_INDEX`,
-    and the bool mask of active positions."""
-    ids = check.int_tensor("token_ids", token_ids)
-    mask = check.mask_tensor("mask", mask)
-    check.same_shape("mask", mask, "token_ids", ids.shape)
-    check.same_device("mask", mask, "token_ids", ids.device)
-    active = mask != 0
-    # int64 first: IGNORE_INDEX does not fit unsigned id dtypes (uint8 would wrap it to 156).
-    return torch.where(active, ids.long(), IGNORE_INDEX), active
 
 
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
@@ -158,42 +148,18 @@ def fused_policy_loss(
             ``weight``/``bias``/``tp_group`` with ``logits``, shape/device mismatches, active ids
             out of range, and everything ``policy_loss`` rejects.
     """
+    # Every input is checked once, here; the paths below check nothing again.
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     check.boolean("validate", validate)
     check.boolean("inplace_backward", inplace_backward)
     _check_source(logits, hidden, weight, bias, tp_group)
-    ids, active = _masked_ids(token_ids, mask)
-    tp = tp_group is not None
-    if validate and not tp:
-        # Checked here, on the active positions only: an active id equal to IGNORE_INDEX must be an
-        # error, not a silently dropped token. The primitive then skips its own (second) sync.
-        if logits is not None:
-            vocab = check.float_tensor("logits", logits, min_dim=1).shape[-1]
-            if vocab < 1:  # the primitive's own message, before the ids are blamed for it
-                raise ValueError(
-                    f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}"
-                )
-        else:
-            vocab = check.float_tensor("weight", weight, min_dim=1).shape[0]
-            if vocab < 1:
-                raise ValueError(
-                    f"weight must have at least one vocabulary row, got {check.describe(weight)}"
-                )
-        check.token_ids_in_range(
-            "token_ids (at active mask positions)",
-            torch.where(active, token_ids, 0),
-            vocab,
-            None,
-        )
-    want_entropy = cfg.entropy_coef != 0
-    options = dict(
-        temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy, validate=False
-    )
     if inplace_backward and logits is None:
         raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
-    # The [B, T] inputs of the algebra, as policy_loss takes them (one place for both fused paths).
-    batch = dict(
+    token_ids = check.int_tensor("token_ids", token_ids)
+    batch = validate_batch(
+        cfg,
+        token_ids,
         old_logp=old_logp,
         advantages=advantages,
         mask=mask,
@@ -202,60 +168,86 @@ def fused_policy_loss(
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
+        like_name="token_ids",
     )
+    active = batch.mask != 0
+    # Masked positions become IGNORE_INDEX (int64 first: it does not fit unsigned id dtypes, uint8
+    # would wrap it to 156), so they cost no softmax gradient and need no valid id.
+    ids = torch.where(active, token_ids.long(), IGNORE_INDEX)
+    tp = tp_group is not None
+    if logits is not None:
+        check.float_tensor("logits", logits, min_dim=1)
+        check_common("logits", logits, ids, temperature, IGNORE_INDEX)
+        vocab = logits.shape[-1]
+        if vocab < 1:
+            raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
+    elif not tp:  # vocab-parallel: validated across ranks by the primitive (every rank raises alike)
+        check_linear_inputs(hidden, weight, ids, bias, temperature, IGNORE_INDEX)
+        vocab = weight.shape[0]
+    if validate and not tp:
+        # On the active positions only: an active id equal to IGNORE_INDEX must be an error, not a
+        # silently dropped token.
+        check.token_ids_in_range(
+            "token_ids (at active mask positions)", torch.where(active, token_ids, 0), vocab, None
+        )
     opts = current_options()
     if _token_level(cfg, logits, opts):
         two_pass_max_vocab = opts.grad_in_forward_max_vocab
         return _fused_token_level(
-            cfg, logits, token_ids, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
+            logits, token_ids, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
         )
     if not tp and _token_level_linear(cfg, hidden, weight, opts):
-        return _fused_linear_token_level(
-            cfg, hidden, weight, bias, token_ids, (ids, active), batch, temperature
-        )
+        return _fused_linear_token_level(hidden, weight, bias, token_ids, (ids, active), batch, temperature)
+    want_entropy = cfg.entropy_coef != 0
+    common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     if logits is not None:
-        out = token_logprobs(logits, ids, inplace_backward=inplace_backward, **options)
+        out = token_logprobs_checked(logits, ids, inplace_backward=inplace_backward, **common)
+    elif not tp:
+        out = linear_token_logprobs_checked(hidden, weight, ids, bias=bias, **common)
     else:
-        if tp and validate:
+        if validate:
             # The vocab-parallel primitive checks the ids against the *global* vocabulary on every
             # rank at once (a local check against this rank's shard would reject valid ids, on some
             # ranks only). An active id equal to IGNORE_INDEX must stay an error: send it as -1.
             ids = torch.where(active & (ids == IGNORE_INDEX), -1, ids)
-            options["validate"] = True
-        out = linear_token_logprobs(hidden, weight, ids, bias=bias, tp_group=tp_group, **options)
+        out = linear_token_logprobs(
+            hidden, weight, ids, bias=bias, tp_group=tp_group, validate=validate, **common
+        )
     logp, entropy = out if want_entropy else (out, None)
-    return _composed(logp, entropy, cfg, batch)
+    return loss_from_batch(logp, entropy, batch)
 
 
-def _composed(logp, entropy, cfg, batch) -> PolicyLossOutput:
-    """``policy_loss`` of ``logp`` (and ``entropy``) with the call's ``[B, T]`` inputs ``batch``
-    (keyed by policy_loss's own parameter names)."""
-    return policy_loss(logp, cfg=cfg, entropy=entropy, **batch)
-
-
-def _plan(cfg, token_ids, masked_ids, batch) -> token_loss.TokenLossPlan:
+def _plan(token_ids, masked_ids, batch: LossBatch) -> token_loss.TokenLossPlan:
     """The token-level plan (per-token constants) of a fused call."""
-    return token_loss.build_plan(cfg, token_ids=token_ids, masked_ids=masked_ids, **batch)
+    return token_loss.build_plan(
+        batch.cfg,
+        token_ids=token_ids,
+        masked_ids=masked_ids,
+        old_logp=batch.old_logp,
+        advantages=batch.advantages,
+        mask=batch.mask,
+        ref_logp=batch.ref_logp,
+        rollout_logp=batch.rollout_logp,
+        global_tokens=batch.global_tokens,
+        global_seqs=batch.global_seqs,
+        cu_seqlens=batch.cu_seqlens,
+    )
 
 
-def _output(loss, logp, entropy, cfg, batch) -> PolicyLossOutput:
+def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
     """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
     metrics equal the composed path's."""
-    return PolicyLossOutput(loss, compute_metrics=lambda: _composed(logp, entropy, cfg, batch).metrics)
+    return PolicyLossOutput(loss, compute_metrics=lambda: loss_from_batch(logp, entropy, batch).metrics)
 
 
 def _fused_token_level(
-    cfg, logits, token_ids, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab
+    logits, token_ids, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab
 ):
     """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy.
     ``two_pass_max_vocab``: the option ``grad_in_forward_max_vocab``."""
     from rlkernel.ops._logprobs_function import token_loss_triton
 
-    check.float_tensor("logits", logits, min_dim=1)
-    ids = _check_common("logits", logits, masked_ids[0], temperature, IGNORE_INDEX)
-    if logits.shape[-1] < 1:
-        raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
-    plan = _plan(cfg, token_ids, (ids, masked_ids[1]), batch)
+    plan = _plan(token_ids, masked_ids, batch)
     two_pass = (
         logits.shape[-1] <= two_pass_max_vocab
         and not inplace_backward
@@ -270,17 +262,15 @@ def _fused_token_level(
         loss, logp, entropy = token_loss_triton(
             logits, plan, temperature=temperature, inplace_backward=inplace_backward
         )
-    return _output(loss, logp, entropy if plan.want_entropy else None, cfg, batch)
+    return _output(loss, logp, entropy if plan.want_entropy else None, batch)
 
 
-def _fused_linear_token_level(cfg, hidden, weight, bias, token_ids, masked_ids, batch, temperature):
+def _fused_linear_token_level(hidden, weight, bias, token_ids, masked_ids, batch, temperature):
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
-    # The primitive's checks (shapes, dtypes, devices, bias); the id range was checked above.
-    check_linear_inputs(hidden, weight, masked_ids[0], bias, temperature, IGNORE_INDEX)
-    plan = _plan(cfg, token_ids, masked_ids, batch)
+    plan = _plan(token_ids, masked_ids, batch)
     outs = fused_linear_token_loss(
         hidden,
         weight,
@@ -292,4 +282,4 @@ def _fused_linear_token_level(cfg, hidden, weight, bias, token_ids, masked_ids, 
         with_entropy=plan.want_entropy,
     )
     entropy = outs[2] if plan.want_entropy else None
-    return _output(outs[0], outs[1], entropy, cfg, batch)
+    return _output(outs[0], outs[1], entropy, batch)

@@ -65,6 +65,7 @@ from rlkernel.rl.aggregate import (
     masked_mean,
     seq_mean,
 )
+from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator, kl_terms
 
@@ -121,61 +122,21 @@ class _Batch:
     entropy: torch.Tensor | None
 
 
-def _segments(logp: torch.Tensor, cu_seqlens: object) -> Segments:
-    if logp.dim() == 2:
-        if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {check.describe(logp)}")
-        return Segments.padded(logp.shape)
-    if logp.dim() == 1:
-        if cu_seqlens is None:
-            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {check.describe(logp)}")
-        cu = check.cu_seqlens_tensor("cu_seqlens", cu_seqlens, logp.shape[0])
-        return Segments.packed(cu, logp.shape[0], logp.device)
-    raise ValueError(
-        f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {check.describe(logp)}"
-    )
-
-
-def _advantages(
-    advantages: object, logp: torch.Tensor, seg: Segments, mask: torch.Tensor, dtype: torch.dtype
-):
+def _advantages(batch: LossBatch, mask: torch.Tensor, dtype: torch.dtype):
     """(per-token ``[S, L]``, per-sequence ``[S]``) advantages, detached and sanitized."""
-    adv = check.float_tensor("advantages", advantages).detach()
-    check.same_device("advantages", adv, "logp", logp.device)
-    if adv.shape == logp.shape:
+    adv, seg = batch.advantages.detach(), batch.segments
+    if not batch.advantages_per_seq:
         tokens = masked(finite_or_nan(seg.to_padded(adv).to(dtype)), mask)
         return tokens, seq_mean(tokens, mask)
-    if adv.dim() == 1 and adv.shape[0] == seg.n_seqs:
-        per_seq = masked(finite_or_nan(adv.to(dtype)), mask.any(-1))
-        return masked(per_seq[:, None].expand(mask.shape), mask), per_seq
-    raise ValueError(
-        f"advantages must have shape ({seg.n_seqs},) (one per sequence) or {tuple(logp.shape)} "
-        f"(one per token, the shape of logp), got {check.describe(adv)}"
-    )
+    per_seq = masked(finite_or_nan(adv.to(dtype)), mask.any(-1))
+    return masked(per_seq[:, None].expand(mask.shape), mask), per_seq
 
 
-def _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entropy, cu_seqlens) -> _Batch:
-    check.float_tensor("logp", logp)
-    if not isinstance(cfg, PolicyLossConfig):
-        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
-    seg = _segments(logp, cu_seqlens)
-    check.float_like("old_logp", old_logp, "logp", logp)
-    mask = check.mask_tensor("mask", mask)
-    check.same_shape("mask", mask, "logp", logp.shape)
-    check.same_device("mask", mask, "logp", logp.device)
-    optional = {"ref_logp": ref_logp, "rollout_logp": rollout_logp, "entropy": entropy}
-    for name, value in optional.items():
-        if value is not None:
-            check.float_like(name, value, "logp", logp)
-    if cfg.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when cfg.kl_coef > 0 (kl_coef={cfg.kl_coef})")
-    if cfg.entropy_coef != 0 and entropy is None:
-        raise ValueError(f"entropy is required when cfg.entropy_coef != 0 (entropy_coef={cfg.entropy_coef})")
-    if cfg.rollout_correction is not None and rollout_logp is None:
-        raise ValueError(f"rollout_logp is required when cfg.rollout_correction={cfg.rollout_correction!r}")
-
+def _padded_batch(logp: torch.Tensor, entropy: torch.Tensor | None, batch: LossBatch) -> _Batch:
+    """The validated inputs on the padded ``[S, L]`` layout, sanitized at masked positions."""
+    seg, cfg = batch.segments, batch.cfg
     dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    active = seg.to_padded(mask != 0, fill=False)
+    active = seg.to_padded(batch.mask != 0, fill=False)
 
     def padded(x: torch.Tensor | None, *, constant: bool = True) -> torch.Tensor | None:
         # ±inf at an active position becomes NaN (the clamps of the algebra would hide it).
@@ -184,16 +145,16 @@ def _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entr
         x = x.detach() if constant else x
         return masked(finite_or_nan(seg.to_padded(x).to(dtype)), active)
 
-    adv, adv_seq = _advantages(advantages, logp, seg, active, dtype)
+    adv, adv_seq = _advantages(batch, active, dtype)
     return _Batch(
         segments=seg,
         mask=active,
         logp=padded(logp, constant=False),
-        old_logp=padded(old_logp),
+        old_logp=padded(batch.old_logp),
         adv=adv,
         adv_seq=adv_seq,
-        ref_logp=padded(ref_logp),
-        rollout_logp=padded(rollout_logp) if cfg.rollout_correction is not None else None,
+        ref_logp=padded(batch.ref_logp),
+        rollout_logp=padded(batch.rollout_logp) if cfg.rollout_correction is not None else None,
         entropy=padded(entropy, constant=False),
     )
 
@@ -248,9 +209,37 @@ def policy_loss(
             ``entropy`` / ``rollout_logp`` that ``cfg`` needs, a negative or non-finite number as
             a normalizer.
     """
-    batch = _prepare(logp, old_logp, advantages, mask, cfg, ref_logp, rollout_logp, entropy, cu_seqlens)
-    global_tokens = check.normalizer("global_tokens", global_tokens, logp.device)
-    global_seqs = check.normalizer("global_seqs", global_seqs, logp.device)
+    check.float_tensor("logp", logp)
+    batch = validate_batch(
+        cfg,
+        logp,
+        old_logp=old_logp,
+        advantages=advantages,
+        mask=mask,
+        ref_logp=ref_logp,
+        rollout_logp=rollout_logp,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        cu_seqlens=cu_seqlens,
+    )
+    if entropy is not None:
+        check.float_like("entropy", entropy, "logp", logp)
+    return loss_from_batch(logp, entropy, batch)
+
+
+def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: LossBatch) -> PolicyLossOutput:
+    """:func:`policy_loss` of ``logp`` (and ``entropy``) with already validated inputs.
+
+    Args:
+        logp: float, ``inputs.token_shape``, on ``inputs.device`` (checked by the caller).
+        entropy: the same shape, or None; required when ``cfg.entropy_coef != 0``.
+        inputs: from :func:`rlkernel.rl.batch.validate_batch`.
+    """
+    cfg = inputs.cfg
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"entropy is required when cfg.entropy_coef != 0 (entropy_coef={cfg.entropy_coef})")
+    batch = _padded_batch(logp, entropy, inputs)
+    global_tokens, global_seqs = inputs.global_tokens, inputs.global_seqs
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate(

@@ -1,0 +1,145 @@
+"""One validation pass over a loss call's ``[B, T]`` (or packed) inputs: :class:`LossBatch`.
+
+``policy_loss`` and ``fused_policy_loss`` both validate their per-token inputs here, once, and hand
+the resulting :class:`LossBatch` to every path below them (the composed algebra of
+:mod:`rlkernel.rl.loss`, the token-level plan of :mod:`rlkernel.rl.token_loss`), which then check
+nothing again. Only checks that need no device work are made (shapes, dtypes, devices, what the
+configuration requires); ``cu_seqlens`` is read on the host once, here, and kept as
+:class:`~rlkernel.rl.aggregate.Segments`.
+
+The error messages name the per-token tensor every other input is checked against: ``logp`` in
+``policy_loss``, ``token_ids`` in ``fused_policy_loss``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel import _validate as check
+from rlkernel.rl.aggregate import Segments
+from rlkernel.rl.config import PolicyLossConfig
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """The validated inputs of one loss call (tensors as given: no copies, no casts).
+
+    Attributes:
+        cfg: the objective.
+        segments: how the per-token tensors split into sequences (padded ``[B, T]`` or packed).
+        device: the device of the per-token tensors.
+        old_logp: float, the per-token shape.
+        advantages: float, per sequence ``[S]`` or per token (the per-token shape).
+        mask: bool/int/float, the per-token shape (active where ``!= 0``).
+        ref_logp: float or None (present when ``cfg.kl_coef > 0``).
+        rollout_logp: float or None (present when ``cfg.rollout_correction`` is set).
+        global_tokens, global_seqs: normalizers (None, a finite number >= 0, or a 0-dim tensor).
+        cu_seqlens: int ``[S + 1]`` for packed input, else None.
+    """
+
+    cfg: PolicyLossConfig
+    segments: Segments
+    device: torch.device
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref_logp: torch.Tensor | None
+    rollout_logp: torch.Tensor | None
+    global_tokens: float | torch.Tensor | None
+    global_seqs: float | torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+    @property
+    def token_shape(self) -> tuple[int, ...]:
+        """``(B, T)`` or ``(N,)``: the shape of every per-token tensor of the call."""
+        return self.segments.token_shape
+
+    @property
+    def advantages_per_seq(self) -> bool:
+        """Whether ``advantages`` holds one value per sequence (else one per token)."""
+        return tuple(self.advantages.shape) != self.token_shape
+
+
+def segments_for(shape: torch.Size, device: torch.device, cu_seqlens: object, what: str) -> Segments:
+    """Padded ``[B, T]`` (no ``cu_seqlens``) or packed ``[N]`` (with them) segments of a per-token
+    tensor of ``shape``; ``what`` describes it in errors."""
+    if len(shape) == 2:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {what}")
+        return Segments.padded(shape)
+    if len(shape) == 1:
+        if cu_seqlens is None:
+            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {what}")
+        cu = check.cu_seqlens_tensor("cu_seqlens", cu_seqlens, shape[0])
+        return Segments.packed(cu, shape[0], device)
+    raise ValueError(f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {what}")
+
+
+def validate_batch(
+    cfg: PolicyLossConfig,
+    like: torch.Tensor,
+    *,
+    old_logp: object,
+    advantages: object,
+    mask: object,
+    ref_logp: object = None,
+    rollout_logp: object = None,
+    global_tokens: object = None,
+    global_seqs: object = None,
+    cu_seqlens: object = None,
+    like_name: str = "logp",
+) -> LossBatch:
+    """Check a loss call's per-token inputs against ``like`` (``logp``, or the token ids).
+
+    Args:
+        cfg: the objective.
+        like: the tensor whose shape ``[B, T]`` / ``[N]`` and device every input must share.
+        like_name: its name in errors (``"logp"``; ``fused_policy_loss``: ``"token_ids"``).
+        old_logp, advantages, mask, ref_logp, rollout_logp, global_tokens, global_seqs, cu_seqlens:
+            as in :func:`rlkernel.policy_loss`.
+
+    Returns:
+        :class:`LossBatch`.
+
+    Raises:
+        TypeError: ``cfg`` not a ``PolicyLossConfig``; a non-tensor or wrong-dtype input.
+        ValueError: shape/device mismatches, bad ``cu_seqlens``, an input ``cfg`` needs missing, a
+            bad normalizer, advantages neither per sequence nor per token.
+    """
+    if not isinstance(cfg, PolicyLossConfig):
+        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    device = like.device
+    seg = segments_for(like.shape, device, cu_seqlens, check.describe(like))
+    check.float_like("old_logp", old_logp, like_name, like)
+    mask = check.mask_tensor("mask", mask)
+    check.same_shape("mask", mask, like_name, like.shape)
+    check.same_device("mask", mask, like_name, device)
+    for name, value in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
+        if value is not None:
+            check.float_like(name, value, like_name, like)
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when cfg.kl_coef > 0 (kl_coef={cfg.kl_coef})")
+    if cfg.rollout_correction is not None and rollout_logp is None:
+        raise ValueError(f"rollout_logp is required when cfg.rollout_correction={cfg.rollout_correction!r}")
+    adv = check.float_tensor("advantages", advantages)
+    check.same_device("advantages", adv, like_name, device)
+    if adv.shape != like.shape and not (adv.dim() == 1 and adv.shape[0] == seg.n_seqs):
+        raise ValueError(
+            f"advantages must have shape ({seg.n_seqs},) (one per sequence) or {tuple(like.shape)} "
+            f"(one per token, the shape of {like_name}), got {check.describe(adv)}"
+        )
+    return LossBatch(
+        cfg=cfg,
+        segments=seg,
+        device=device,
+        old_logp=old_logp,
+        advantages=adv,
+        mask=mask,
+        ref_logp=ref_logp,
+        rollout_logp=rollout_logp,
+        global_tokens=check.normalizer("global_tokens", global_tokens, device),
+        global_seqs=check.normalizer("global_seqs", global_seqs, device),
+        cu_seqlens=cu_seqlens,
+    )
