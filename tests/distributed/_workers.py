@@ -260,8 +260,8 @@ def _fused(ctx, preset):
     cfg = rk.PolicyLossConfig.preset(preset, entropy_coef=0.01)
     batch = dict(token_ids=ids, old_logp=old_logp, advantages=adv, mask=mask, temperature=0.8)
     hs, ws = _leaf(h), _leaf(w[ctx.rows])
-    # validate=False until fused_policy_loss checks ids against the global V with tp_group.
-    out = rk.fused_policy_loss(cfg, hidden=hs, weight=ws, tp_group=ctx.group, validate=False, **batch)
+    # validate=True (the default): the ids are checked against the global V, on every rank at once.
+    out = rk.fused_policy_loss(cfg, hidden=hs, weight=ws, tp_group=ctx.group, **batch)
     hr, wr = _leaf(h), _leaf(w)
     out_r = rk.fused_policy_loss(cfg, hidden=hr, weight=wr, **batch)
     _close(out.loss, out_r.loss, (1e-6, 1e-5), f"{preset} loss")
@@ -335,6 +335,24 @@ def check_error_id_out_of_global_range(ctx):
     # An id past this rank's shard but inside the global vocabulary is fine (ids are global).
     ids[0, 0] = VOCAB - 1
     rk.linear_token_logprobs(h, w[ctx.rows], ids, tp_group=ctx.group)
+
+
+def check_error_fused_id_out_of_global_range(ctx):
+    """fused_policy_loss with tp_group checks the active ids against the global V on every rank at
+    once: an id past this rank's shard is fine, one outside [0, V) raises on every rank."""
+    h, w, b, ids, *_ = case(24, lead=(2, 7))
+    batch = dict(
+        old_logp=torch.zeros(2, 7), advantages=torch.ones(2), mask=torch.ones(2, 7, dtype=torch.bool)
+    )
+    cfg = rk.PolicyLossConfig.preset("dapo")
+    ids = ids.clamp_min(0)
+    ids[0, 0] = VOCAB - 1  # outside every shard but the last, inside the global vocabulary
+    rk.fused_policy_loss(cfg, hidden=h, weight=w[ctx.rows], tp_group=ctx.group, token_ids=ids, **batch)
+    ids[1, 2] = VOCAB
+    fn = lambda: rk.fused_policy_loss(  # noqa: E731
+        cfg, hidden=h, weight=w[ctx.rows], tp_group=ctx.group, token_ids=ids, **batch
+    )
+    expect_same_error(ctx, fn, ValueError, f"outside [0, {VOCAB})")
 
 
 def check_error_ids_differ(ctx):
