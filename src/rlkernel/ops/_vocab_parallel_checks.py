@@ -1,9 +1,10 @@
 """Cross-rank validation of the vocab-parallel LM-head call, and the process-group helpers.
 
-:func:`agree_across_ranks` is the protocol that :func:`rlkernel.ops.vocab_parallel.
-vocab_parallel_linear_token_logprobs` runs before any data collective: each rank runs the local
-checks of ``linear_token_logprobs`` and builds an int64 descriptor of its call (:data:`_FIELDS`: its
-local error and message, N, H, V_r, dtype, …, the ids' checksum and range); one ``all_gather``
+:func:`agree_across_ranks` is the protocol that
+:func:`~rlkernel.ops.vocab_parallel.vocab_parallel_linear_token_logprobs` runs before any data
+collective: each rank runs the local checks of ``linear_token_logprobs`` and builds an int64
+descriptor of its call (:data:`_FIELDS`: its local error and message, N, H, V_r, dtype, …, the ids'
+checksum and range); one ``all_gather``
 (:func:`_gather`, the one host read per call) gives every rank the same table, from which every rank
 computes the same verdict and raises the same error (:func:`_verdict`, :func:`_raise_for`,
 :func:`_check_global_range`). What passes comes back as a :class:`ShardLayout`.

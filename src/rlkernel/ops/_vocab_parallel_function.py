@@ -3,9 +3,10 @@
 Vocab parallelism splits the LM-head weight ``[V, H]`` by rows: tensor-parallel rank r holds the
 contiguous vocabulary range ``[vocab_start_r, vocab_start_r + V_r)``; hidden states and ids are
 replicated. :class:`VocabParallelLinearLogprobs` turns one rank's shard into the full-vocabulary
-log-probs (and entropy) on every rank. :func:`rlkernel.ops.vocab_parallel.
-vocab_parallel_linear_token_logprobs` validates the call across ranks, resolves the options
-(:func:`half_gemm`, :func:`use_kernels`, :func:`default_chunk_rows`) and applies it.
+log-probs (and entropy) on every rank.
+:func:`~rlkernel.ops.vocab_parallel.vocab_parallel_linear_token_logprobs` validates the call across
+ranks, resolves the options (:func:`half_gemm`, :func:`use_kernels`, :func:`default_chunk_rows`) and
+applies it.
 
 Algorithm (per chunk of rows, as in the reference ``_ChunkedLinearLogprobs``; z = logits / T in fp32,
 fp64 for fp64 inputs; y = the target id):
