@@ -10,7 +10,7 @@ compares its shard; rank 0 prints PASS/FAIL lines as it goes and one table at th
 
 Sections (each in try/except: a failure is reported and the next section runs):
     reference         the unsharded fwd+bwd (fp32 reference) on every rank, kept for the checks
-    tp-vs-unsharded   with GEMM=auto (on CUDA: bf16 operands, fp32 output) and GEMM=fp32 (the
+    tp-vs-unsharded   with tp_gemm=auto (on CUDA: bf16 operands, fp32 output) and tp_gemm=fp32 (the
                       reference's): logp/entropy max abs diff, dhidden and dweight-shard ‖Δ‖/‖ref‖,
                       bitwise equality of logp/dhidden across ranks
     fused-dapo/gspo   fused_policy_loss(hidden=, weight=shard, tp_group=) vs the unsharded one
@@ -47,15 +47,15 @@ except ImportError:  # a checkout without `pip install -e .`: use its src/ (this
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import rlkernel as rk
 
-import rlkernel.distributed as rd
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
+from rlkernel.ops._vocab_parallel_function import half_gemm, use_kernels
 from rlkernel.reference import logprobs as ref
 
 FULL = dict(n=8192, hidden=4096, vocab=151936, split=(76000, 75936), batch=16, warmup=3, reps=20)
 SMOKE = dict(n=96, hidden=32, vocab=101, split=(53, 48), batch=4, warmup=1, reps=3)
-# fp32 GEMMs (GEMM=fp32): the TP chunk vs the unsharded chunk, different shapes, same precision.
+# fp32 GEMMs (tp_gemm=fp32): the TP chunk vs the unsharded chunk, different shapes, same precision.
 LOGP_ATOL = 1e-4
-# GEMM=auto (bf16 operands, fp32 output; cuBLAS sums the K = 4096 products in another order than the
+# tp_gemm=auto (bf16 operands, fp32 output; cuBLAS sums the K = 4096 products in another order than the
 # fp32 reference): the error class of the single-GPU bf16 linear path, which measures logp 6.3e-5 and
 # entropy 8.9e-5 against the same reference (gpu_check_linear_h100_2026-11-21.log). The first NCCL
 # run (2026-11-21) gave 9.9e-5 / 1.2e-4 against the 1e-4 guessed before any measurement.
@@ -155,17 +155,14 @@ def reference(run: Run, hidden, weight, ids):
 
 def tp_vs_unsharded(run: Run, hidden, weight, ids, expected, gemm: str):
     coefs, logp_r, ent_r, dh_r, dw_r = expected
-    saved, rd.GEMM = rd.GEMM, gemm
-    try:
+    with rk.use_options(tp_gemm=gemm):
         h = hidden.clone().requires_grad_(True)
         w = weight[run.rows].clone().requires_grad_(True)
-        mode = "half-operand" if rd._half_gemm(w) else "fp32"
+        mode = "half-operand" if half_gemm(w, gemm) else "fp32"
         logp, ent = rk.linear_token_logprobs(
             h, w, ids, tp_group=run.group, temperature=0.9, return_entropy=True
         )
         dh, dw = torch.autograd.grad((logp * coefs[0]).sum() + (ent * coefs[1]).sum(), [h, w])
-    finally:
-        rd.GEMM = saved
     d_logp = (logp - logp_r).abs().max().item()
     d_ent = (ent - ent_r).abs().max().item()
     r_dh, r_dw = rel(dh, dh_r), rel(dw, dw_r)
@@ -300,18 +297,12 @@ def timing(run: Run, hidden, weight, ids):
         torch.autograd.grad(rk.linear_token_logprobs(h, w, ids, tp_group=run.group).sum(), [h, w])
 
     def tp_fwd_bwd_fp32():
-        saved, rd.GEMM = rd.GEMM, "fp32"
-        try:
+        with rk.use_options(tp_gemm="fp32"):
             tp_fwd_bwd()
-        finally:
-            rd.GEMM = saved
 
     def tp_fwd_bwd_torch_elementwise():  # the PyTorch chunk math instead of the Triton kernels
-        saved, rd.ELEMENTWISE = rd.ELEMENTWISE, "torch"
-        try:
+        with rk.use_options(tp_elementwise="torch"):
             tp_fwd_bwd()
-        finally:
-            rd.ELEMENTWISE = saved
 
     peak = 0.0
     if run.device.type == "cuda":
@@ -327,8 +318,10 @@ def timing(run: Run, hidden, weight, ids):
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=run.group)  # the slowest rank's numbers
     t_fwd, t_tp, t_fp32, t_torch_ew, peak = stats.tolist()
     run.timings.update(tp=t_tp, tp_fp32=t_fp32, tp_torch_elementwise=t_torch_ew)
-    mode = "half-operand" if rd._half_gemm(w) else "fp32"
-    kernels = "Triton" if rd._use_kernels(h, rd._half_gemm(w)) else "PyTorch"
+    options = rk.current_options()
+    half = half_gemm(w, options.tp_gemm)
+    mode = "half-operand" if half else "fp32"
+    kernels = "Triton" if use_kernels(h, half, options.tp_elementwise) else "PyTorch"
     detail = (
         f"{mode} GEMMs, {kernels} chunk math: fwd {t_fwd:.1f} ms, fwd+bwd {t_tp:.1f} ms (peak extra "
         f"{peak:.2f} GiB); PyTorch chunk math: fwd+bwd {t_torch_ew:.1f} ms; fp32 GEMMs: fwd+bwd "
@@ -406,7 +399,7 @@ def main() -> int:
             for gemm in ("auto", "fp32") + (("half",) if args.smoke else ()):
                 section(
                     run,
-                    f"tp-vs-unsharded GEMM={gemm}",
+                    f"tp-vs-unsharded tp_gemm={gemm}",
                     lambda g=gemm: tp_vs_unsharded(run, *inputs, expected, g),
                 )
             expected = None

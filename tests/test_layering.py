@@ -6,7 +6,12 @@ is where back-edges hide), and resolved to the module it names. The rules (DESIG
 * ``kernels/`` and ``reference/`` import nothing from ``ops``, ``rl``, ``invariant``,
   ``distributed``, ``bench``, ``demo``, the CLI or the package root (``rlkernel`` itself); the
   private root helpers (``_dispatch``, ``_validate``, ``_autocast``) are below every layer.
-* ``ops/`` imports nothing from ``rl`` (nor from the layers above it).
+* ``ops/`` imports nothing from ``rl`` or ``distributed`` (nor from the layers above it): the
+  vocab-parallel op, its cross-rank checks and its autograd Function are in ``ops``;
+  ``rlkernel.distributed`` is the public namespace above it (it re-exports the op and holds
+  ``global_normalizers``).
+* ``distributed`` imports nothing from ``rl``, ``invariant``, ``bench``, ``demo``, the CLI or the
+  package root.
 * ``rl/`` imports nothing from ``invariant``, ``bench``, ``demo`` or the CLI.
 * No import cycle between modules anywhere in ``src/``.
 
@@ -26,7 +31,8 @@ PACKAGE = "rlkernel"
 FORBIDDEN = {
     "kernels": {"ops", "rl", "invariant", "distributed", "bench", "demo", "cli", "<root>"},
     "reference": {"ops", "rl", "invariant", "distributed", "bench", "demo", "cli", "<root>"},
-    "ops": {"rl", "invariant", "bench", "demo", "cli", "<root>"},
+    "ops": {"rl", "distributed", "invariant", "bench", "demo", "cli", "<root>"},
+    "distributed": {"rl", "invariant", "bench", "demo", "cli", "<root>"},
     "rl": {"invariant", "bench", "demo", "cli", "<root>"},
 }
 KNOWN_BACK_EDGES: set[tuple[str, str]] = set()
@@ -167,3 +173,5 @@ def test_the_checks_see_what_they_must():
     )
     # function-local imports count (rl.fused imports ops inside functions as well)
     assert any(_layer(t) == "ops" for t in real["rlkernel.rl.fused"])
+    # the tp_group route of linear_token_logprobs stays inside ops (a function-local import)
+    assert "rlkernel.ops.vocab_parallel" in real["rlkernel.ops.logprobs"]

@@ -132,47 +132,66 @@ def check_bf16(ctx):
 
 
 def check_bf16_half_operand_gemms(ctx):
-    """GEMM="half" (the CUDA default for bf16/fp16; emulated on the CPU): ∂z is rounded to bf16."""
-    import rlkernel.distributed as rd
-
-    saved = rd.GEMM
-    rd.GEMM = "half"
-    try:
+    """tp_gemm="half" (the CUDA default for bf16/fp16; emulated on the CPU): ∂z is rounded to bf16."""
+    with rk.use_options(tp_gemm="half"):
         compare_to_reference(ctx, dtype=torch.bfloat16, chunk_rows=4, seed=1)
-    finally:
-        rd.GEMM = saved
 
 
 def check_bf16_half_gemms_kernel_elementwise(ctx):
-    """GEMM="half" with the Triton log-prob kernels on the shard (ELEMENTWISE="auto", which the
+    """tp_gemm="half" with the Triton log-prob kernels on the shard (tp_elementwise="auto", which the
     interpreter runs on the CPU): per-rank partials combined by MAX + SUM, the backward kernel
     writing ∂z in bf16. Against the reference, with and without entropy, frozen weight, and equal
     (within fp32 rounding) to the PyTorch elementwise path; the same bits on every rank."""
-    import rlkernel.distributed as rd
+    from rlkernel._dispatch import interpreter_enabled
+    from rlkernel.ops._vocab_parallel_function import use_kernels
 
-    saved = rd.GEMM, rd.ELEMENTWISE
-    rd.GEMM, rd.ELEMENTWISE = "half", "auto"
-    try:
-        from rlkernel._dispatch import interpreter_enabled
-
-        h = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
-        if not interpreter_enabled():  # CPU tensors without the interpreter (a GPU machine's gloo
-            assert not rd._use_kernels(h, True)  # workers): the PyTorch path; NCCL check = CUDA path
-            return
-        assert rd._use_kernels(h, True), "the kernel path must run on CPU tensors with TRITON_INTERPRET=1"
+    h = torch.zeros(2, HIDDEN, dtype=torch.bfloat16)
+    if not interpreter_enabled():  # CPU tensors without the interpreter (a GPU machine's gloo
+        assert not use_kernels(h, True, "auto")  # workers): the PyTorch path; NCCL check = CUDA path
+        return
+    assert use_kernels(h, True, "auto"), "the kernel path must run on CPU tensors with TRITON_INTERPRET=1"
+    with rk.use_options(tp_gemm="half", tp_elementwise="auto"):
         logp, ent, dh = compare_to_reference(ctx, dtype=torch.bfloat16, chunk_rows=4, seed=1)
         compare_to_reference(ctx, dtype=torch.bfloat16, chunk_rows=6, seed=2, entropy=False, grad_w=False)
-        rd.ELEMENTWISE = "torch"
+    with rk.use_options(tp_gemm="half", tp_elementwise="torch"):
         logp_t, ent_t, dh_t = compare_to_reference(ctx, dtype=torch.bfloat16, chunk_rows=4, seed=1)
-        torch.testing.assert_close(logp, logp_t, atol=2e-6, rtol=2e-6)
-        torch.testing.assert_close(ent, ent_t, atol=2e-6, rtol=2e-6)
-        torch.testing.assert_close(dh.float(), dh_t.float(), atol=2e-2, rtol=2e-2)
-        for name, t in (("logp", logp), ("entropy", ent), ("dhidden", dh)):
-            parts = [torch.empty_like(t) for _ in range(ctx.world)]
-            dist.all_gather(parts, t.detach().contiguous(), group=ctx.group)
-            assert all(torch.equal(p, parts[0]) for p in parts), f"{name} differs across ranks"
-    finally:
-        rd.GEMM, rd.ELEMENTWISE = saved
+    torch.testing.assert_close(logp, logp_t, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(ent, ent_t, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(dh.float(), dh_t.float(), atol=2e-2, rtol=2e-2)
+    for name, t in (("logp", logp), ("entropy", ent), ("dhidden", dh)):
+        parts = [torch.empty_like(t) for _ in range(ctx.world)]
+        dist.all_gather(parts, t.detach().contiguous(), group=ctx.group)
+        assert all(torch.equal(p, parts[0]) for p in parts), f"{name} differs across ranks"
+
+
+def _tp_grads(ctx, call, seed=23):
+    """logp, entropy, dhidden and the dweight shard of ``call(h, w_r, ids, **kw)`` on bf16 inputs."""
+    h, w, b, ids, c1, c2 = case(seed, dtype=torch.bfloat16)
+    hs, ws = _leaf(h), _leaf(w[ctx.rows])
+    logp, ent = call(hs, ws, ids, tp_group=ctx.group, bias=b[ctx.rows], temperature=0.7, return_entropy=True)
+    _objective(logp, ent, c1, c2).backward()
+    return logp.detach(), ent.detach(), hs.grad, ws.grad
+
+
+def check_tp_gemm_option_takes_effect(ctx):
+    """The options reach the vocab-parallel path, set in this (worker) process: the default is
+    "auto" (fp32 GEMMs for CPU tensors, so the same bits as "fp32"); "half" rounds ∂z to bf16 for
+    the backward GEMMs, so dhidden and dweight change bits (the forward's products are exact in
+    fp32 either way); and linear_token_logprobs(tp_group=) gives the same bits as the direct call
+    under the same option."""
+    defaults = rk.current_options()
+    assert (defaults.tp_gemm, defaults.tp_elementwise) == ("auto", "auto")
+    direct = vocab_parallel_linear_token_logprobs
+    auto = _tp_grads(ctx, direct)
+    with rk.use_options(tp_gemm="fp32"):
+        fp32 = _tp_grads(ctx, direct)
+    with rk.use_options(tp_gemm="half", tp_elementwise="torch"):
+        half = _tp_grads(ctx, direct)
+        routed = _tp_grads(ctx, rk.linear_token_logprobs)
+    assert all(torch.equal(a, f) for a, f in zip(auto, fp32, strict=True)), "auto must be fp32 on the CPU"
+    assert not torch.equal(half[2], fp32[2]), "tp_gemm='half' must change dhidden's bits"
+    assert not torch.equal(half[3], fp32[3]), "tp_gemm='half' must change dweight's bits"
+    assert all(torch.equal(a, b) for a, b in zip(half, routed, strict=True)), "the tp_group route"
 
 
 def check_no_bias_no_entropy_auto_chunks(ctx):
@@ -207,14 +226,14 @@ def check_through_linear_token_logprobs(ctx):
 
 def check_many_rows(ctx):
     """More chunks than one dhidden reduce block holds (REDUCE_BYTES shrunk for the test)."""
-    import rlkernel.distributed as rd
+    import rlkernel.ops._vocab_parallel_function as vpf
 
-    saved = rd.REDUCE_BYTES
-    rd.REDUCE_BYTES = 4 * HIDDEN * 7  # blocks of 7 rows → rounded to whole chunks of 3
+    saved = vpf.REDUCE_BYTES
+    vpf.REDUCE_BYTES = 4 * HIDDEN * 7  # blocks of 7 rows → rounded to whole chunks of 3
     try:
         compare_to_reference(ctx, dtype=torch.float32, chunk_rows=3, seed=7)
     finally:
-        rd.REDUCE_BYTES = saved
+        vpf.REDUCE_BYTES = saved
 
 
 def check_empty_batch(ctx):
@@ -241,8 +260,8 @@ def _fused(ctx, preset):
     cfg = rk.PolicyLossConfig.preset(preset, entropy_coef=0.01)
     batch = dict(token_ids=ids, old_logp=old_logp, advantages=adv, mask=mask, temperature=0.8)
     hs, ws = _leaf(h), _leaf(w[ctx.rows])
-    # validate=False until fused_policy_loss checks ids against the global V with tp_group.
-    out = rk.fused_policy_loss(cfg, hidden=hs, weight=ws, tp_group=ctx.group, validate=False, **batch)
+    # validate=True (the default): the ids are checked against the global V, on every rank at once.
+    out = rk.fused_policy_loss(cfg, hidden=hs, weight=ws, tp_group=ctx.group, **batch)
     hr, wr = _leaf(h), _leaf(w)
     out_r = rk.fused_policy_loss(cfg, hidden=hr, weight=wr, **batch)
     _close(out.loss, out_r.loss, (1e-6, 1e-5), f"{preset} loss")
@@ -316,6 +335,24 @@ def check_error_id_out_of_global_range(ctx):
     # An id past this rank's shard but inside the global vocabulary is fine (ids are global).
     ids[0, 0] = VOCAB - 1
     rk.linear_token_logprobs(h, w[ctx.rows], ids, tp_group=ctx.group)
+
+
+def check_error_fused_id_out_of_global_range(ctx):
+    """fused_policy_loss with tp_group checks the active ids against the global V on every rank at
+    once: an id past this rank's shard is fine, one outside [0, V) raises on every rank."""
+    h, w, b, ids, *_ = case(24, lead=(2, 7))
+    batch = dict(
+        old_logp=torch.zeros(2, 7), advantages=torch.ones(2), mask=torch.ones(2, 7, dtype=torch.bool)
+    )
+    cfg = rk.PolicyLossConfig.preset("dapo")
+    ids = ids.clamp_min(0)
+    ids[0, 0] = VOCAB - 1  # outside every shard but the last, inside the global vocabulary
+    rk.fused_policy_loss(cfg, hidden=h, weight=w[ctx.rows], tp_group=ctx.group, token_ids=ids, **batch)
+    ids[1, 2] = VOCAB
+    fn = lambda: rk.fused_policy_loss(  # noqa: E731
+        cfg, hidden=h, weight=w[ctx.rows], tp_group=ctx.group, token_ids=ids, **batch
+    )
+    expect_same_error(ctx, fn, ValueError, f"outside [0, {VOCAB})")
 
 
 def check_error_ids_differ(ctx):

@@ -201,7 +201,7 @@ def linear_token_logprobs(
         # Vocab-parallel: every local check, the shard layout and the id range (of the *global*
         # vocabulary) are validated there across ranks, so that every rank raises the same error
         # (a check failing here on one rank only would leave the others waiting in a collective).
-        from rlkernel.distributed import vocab_parallel_linear_token_logprobs
+        from rlkernel.ops.vocab_parallel import vocab_parallel_linear_token_logprobs
 
         return vocab_parallel_linear_token_logprobs(
             hidden,

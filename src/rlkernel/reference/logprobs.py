@@ -48,7 +48,7 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _prepare_ids(token_ids: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_ids(token_ids: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat int64 ids with ignored positions replaced by 0, and the bool mask of active positions."""
     ids = token_ids.reshape(-1).long()
     active = ids != ignore_index
@@ -77,7 +77,7 @@ def token_logprobs(
     """
     lead = logits.shape[:-1]
     z = logits.reshape(lead.numel(), logits.shape[-1]).to(acc_dtype(logits)) / temperature
-    ids, active = _prepare_ids(token_ids, ignore_index)
+    ids, active = prepare_ids(token_ids, ignore_index)
     # Ignored rows may hold garbage (NaN/inf padding): zero them first, or log_softmax's backward
     # would turn their 0 upstream gradient into NaN (0·NaN) instead of an exact 0.
     z = torch.where(active[:, None], z, torch.zeros((), dtype=z.dtype, device=z.device))
@@ -132,7 +132,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         entropy = torch.zeros(n, dtype=acc, device=hidden.device)
         for start in range(0, n, chunk_rows):
             rows = slice(start, min(start + chunk_rows, n))
-            z = _chunk_logits(hidden[rows], weight_f, bias_f, temperature)
+            z = chunk_logits(hidden[rows], weight_f, bias_f, temperature)
             logp_all = torch.log_softmax(z, dim=-1)
             logp[rows] = logp_all.gather(-1, ids[rows, None]).squeeze(-1)
             if return_entropy:
@@ -168,7 +168,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         d_bias = torch.zeros_like(bias_f) if need_b else None
         for start in range(0, n, ctx.chunk_rows):
             rows = slice(start, min(start + ctx.chunk_rows, n))
-            z = _chunk_logits(hidden[rows], weight_f, bias_f, ctx.temperature)
+            z = chunk_logits(hidden[rows], weight_f, bias_f, ctx.temperature)
             gz = logprob_grad_from_logits(
                 z,
                 ids[rows],
@@ -188,7 +188,8 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 
-def _chunk_logits(h: torch.Tensor, weight_f: torch.Tensor, bias_f: torch.Tensor | None, temperature: float):
+def chunk_logits(h: torch.Tensor, weight_f: torch.Tensor, bias_f: torch.Tensor | None, temperature: float):
+    """``(h @ weight_fᵀ + bias_f) / T`` of one chunk of rows, in the dtype of the upcast weight."""
     z = h.to(weight_f.dtype) @ weight_f.t()
     if bias_f is not None:
         z = z + bias_f
@@ -223,7 +224,7 @@ def linear_token_logprobs(
     lead = hidden.shape[:-1]
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
     h = hidden.reshape(lead.numel(), hidden.shape[-1])
-    ids, active = _prepare_ids(token_ids, ignore_index)
+    ids, active = prepare_ids(token_ids, ignore_index)
     # Ignored rows may hold garbage: zero them so they reach neither the logits nor dweight/dbias.
     h = torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
     rows = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0], h.shape[0])

@@ -1,15 +1,22 @@
 """Cross-rank validation of the vocab-parallel LM-head call, and the process-group helpers.
 
-What lives here: the int64 descriptor each rank builds of its call (:data:`_FIELDS`, the local
-checks of ``linear_token_logprobs``, the ids' checksum and range), its one ``all_gather``
-(:func:`_gather`), the verdict every rank computes from the same table and the error it raises
-(:func:`_verdict`, :func:`_raise_for`, :func:`_check_global_range`); and :func:`_check_group` /
-:func:`_collective_device`, shared with :mod:`rlkernel.normalizers`. :mod:`rlkernel.distributed`
-documents the protocol (its "Validation" paragraph) and runs it before any data collective.
+:func:`agree_across_ranks` is the protocol that
+:func:`~rlkernel.ops.vocab_parallel.vocab_parallel_linear_token_logprobs` runs before any data
+collective: each rank runs the local checks of ``linear_token_logprobs`` and builds an int64
+descriptor of its call (:data:`_FIELDS`: its local error and message, N, H, V_r, dtype, …, the ids'
+checksum and range); one ``all_gather``
+(:func:`_gather`, the one host read per call) gives every rank the same table, from which every rank
+computes the same verdict and raises the same error (:func:`_verdict`, :func:`_raise_for`,
+:func:`_check_global_range`). What passes comes back as a :class:`ShardLayout`.
+
+:func:`check_group` and :func:`collective_device` are shared with
+:func:`rlkernel.distributed.global_normalizers`. The protocol is documented for users in
+``docs/api/distributed.md`` ("Validation").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import torch
@@ -78,7 +85,9 @@ def _format(field: str, value: int) -> str:
     return str(value)
 
 
-def _check_group(name: str, group: object) -> None:
+def check_group(name: str, group: object) -> None:
+    """``TypeError`` unless ``group`` is a ProcessGroup; ``ValueError`` if this process is not in it
+    (raised locally, before any collective)."""
     process_group = getattr(dist, "ProcessGroup", None)
     if process_group is None or not dist.is_available():
         raise TypeError(f"{name} needs torch.distributed, which this PyTorch build does not have")
@@ -91,7 +100,7 @@ def _check_group(name: str, group: object) -> None:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of {name}")
 
 
-def _collective_device(group: object, data: object) -> torch.device:
+def collective_device(group: object, data: object) -> torch.device:
     """Where a small control tensor must live for ``group``'s backend: CUDA for NCCL, else the CPU."""
     backend = str(dist.get_backend(group)).lower()
     if "nccl" not in backend:
@@ -239,3 +248,62 @@ def _check_global_range(ids: torch.Tensor, table: list[list[int]], ignore_index:
         raise ValueError(
             f"{err} (the global vocabulary of tp_group: V = {sizes} = {vocab}; every rank raises this error)"
         ) from None
+
+
+# ---------------------------------------------------------------------------------- the protocol
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """What the ranks agreed on: this rank's checked ids and where its shard sits in the vocabulary.
+
+    Attributes:
+        ids: this rank's ``token_ids`` (an integer tensor, unchanged).
+        vocab_start: the first global vocabulary row of this rank's shard (Σ V of the lower ranks).
+        largest_shard: max V_r (chunks are sized for it, so every rank runs as many).
+    """
+
+    ids: torch.Tensor
+    vocab_start: int
+    largest_shard: int
+
+
+def agree_across_ranks(
+    hidden,
+    weight,
+    bias,
+    token_ids,
+    tp_group,
+    *,
+    temperature,
+    ignore_index,
+    return_entropy,
+    chunk_rows,
+    validate,
+) -> ShardLayout:
+    """The cross-rank checks of one vocab-parallel call (a collective: one ``all_gather`` and one
+    host read). Raises on every rank alike, or returns this rank's :class:`ShardLayout`.
+
+    Raises:
+        TypeError: ``tp_group`` is not a ProcessGroup (locally, before any collective); or every
+            rank failed a type check of its local inputs.
+        ValueError: a rank's local checks failed, a field of :data:`_MUST_AGREE` differs across
+            ranks, or (``validate``) an active id is outside the global ``[0, V)``.
+    """
+    check_group("tp_group", tp_group)
+    error = None
+    ids = None
+    try:
+        ids = _local_checks(hidden, weight, bias, token_ids, temperature, ignore_index, chunk_rows)
+    except (TypeError, ValueError) as err:
+        error = err
+    desc = _descriptor(
+        hidden, weight, bias, ids, temperature, ignore_index, return_entropy, chunk_rows, error
+    )
+    table = _gather(desc, tp_group, collective_device(tp_group, hidden))
+    verdict = _verdict(table)
+    if verdict is not None:
+        _raise_for(verdict, len(table), error)
+    if validate:
+        _check_global_range(ids, table, int(ignore_index))
+    sizes = [row[_F["vocab_local"]] for row in table]
+    rank = dist.get_rank(tp_group)
+    return ShardLayout(ids=ids, vocab_start=sum(sizes[:rank]), largest_shard=max(sizes))
