@@ -84,6 +84,7 @@ def test_rows_are_views_of_the_per_token_tensors_and_keep_the_per_sequence_ones(
     # a range of a range is the range of the whole
     sub = part.rows(1, 3)
     assert sub.row0 == 6 and torch.equal(sub.ids, plan.ids[6:8])
+    assert plan.rows(0, plan.n_tokens) is plan and part.rows(0, 4) is part  # the whole range: itself
 
 
 def test_kernel_scalars_are_floats_in_kernel_order():

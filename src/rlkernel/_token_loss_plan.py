@@ -228,17 +228,15 @@ class TokenLossPlan:
         n = ids.numel()
         # A per-sequence tensor must cover every sequence that tokens [row0, row0 + n) fall in.
         n_seqs = math.ceil((self.row0 + n) / self.seq_len)
-        shapes = (
-            ("old", self.old, False),
-            ("adv", self.adv, self.adv_per_seq),
-            ("ref", self.ref, False),
-            ("rollout_w", self.rollout_w, False),
-            ("factor", self.factor, self.factor_per_seq),
+        floats = (  # (name, tensor, per sequence, optional)
+            ("old", self.old, False, False),
+            ("adv", self.adv, self.adv_per_seq, False),
+            ("ref", self.ref, False, True),
+            ("rollout_w", self.rollout_w, False, True),
+            ("factor", self.factor, self.factor_per_seq, True),
         )
-        for name, t, per_seq in shapes:
-            if t is None and name in ("old", "adv"):
-                raise TypeError(f"{name} must be a torch.Tensor, got None")
-            if t is None:
+        for name, t, per_seq, optional in floats:
+            if t is None and optional:
                 continue
             check.float_tensor(name, t)
             if t.dim() != 1 or (t.numel() < n_seqs if per_seq else t.numel() != n):
@@ -262,7 +260,10 @@ class TokenLossPlan:
 
     def rows(self, start: int, stop: int) -> TokenLossPlan:
         """The plan of tokens ``[start, stop)`` of this one (views, no copies): per-token tensors are
-        sliced, per-sequence ones and the 0-dim ``denom`` are kept whole, ``row0`` moves by ``start``."""
+        sliced, per-sequence ones and the 0-dim ``denom`` are kept whole, ``row0`` moves by ``start``.
+        The whole range is the plan itself (the logits path's one call: no slicing, no checks)."""
+        if start == 0 and stop == self.n_tokens:
+            return self
 
         def cut(t: torch.Tensor | None, per_seq: bool = False) -> torch.Tensor | None:
             return t if t is None or per_seq else t[start:stop]
