@@ -251,7 +251,7 @@ def plan_coef_fn(d, cfg):
         mask=d["mask"].reshape(shp),
         ref_logp=d["ref"].reshape(shp),
     )
-    return tl.as_coef_fn(plan), plan.tensors["ids"].reshape(-1)
+    return tl.as_coef_fn(plan), plan.ids.reshape(-1)
 
 
 def dapo_policy_loss(logp, d, cfg):

@@ -219,7 +219,7 @@ def _engine_coefs(cfg, inputs: list[dict]) -> str:
             mask=inp["mask"].reshape(shp),
             ref_logp=inp["ref_logp"].reshape(shp),
         )
-        inp["coef_fn"], inp["engine_ids"] = tl.as_coef_fn(plan), plan.tensors["ids"].reshape(-1)
+        inp["coef_fn"], inp["engine_ids"] = tl.as_coef_fn(plan), plan.ids.reshape(-1)
     return "rlkernel.rl.token_loss plan"
 
 

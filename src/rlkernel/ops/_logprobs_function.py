@@ -227,10 +227,10 @@ class TokenLossFunction(torch.autograd.Function):
     def forward(ctx, logits, plan, temperature, inplace_backward):
         from rlkernel.ops.token_loss import token_loss
 
-        ids = plan.tensors["ids"].view(logits.shape[:-1])
+        ids = plan.ids.view(logits.shape[:-1])
         x = kernels.as_kernel_layout(logits)
         want_entropy = plan.want_entropy
-        logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, plan.scalars["ignore_index"], want_entropy)
+        logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, plan.ignore_index, want_entropy)
         terms = token_loss(plan, logp, entropy if want_entropy else None, backend="triton")
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
         ctx.overwritten = False  # set once a backward has written the gradient into the logits
@@ -243,7 +243,7 @@ class TokenLossFunction(torch.autograd.Function):
             terms.g_entropy,
         )
         ctx.temperature = temperature
-        ctx.ignore_index = plan.scalars["ignore_index"]
+        ctx.ignore_index = plan.ignore_index
         ctx.mark_non_differentiable(logp, entropy)
         # No zero tensors for the (non-differentiable) logp/entropy outputs' gradients: 2 launches.
         ctx.set_materialize_grads(False)
@@ -305,9 +305,7 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
         from rlkernel.kernels import token_loss as tl_kernels
 
         x = kernels.as_kernel_layout(logits)
-        loss_rows, logp, entropy, grad = tl_kernels.token_loss_grad_in_fwd(
-            x, temperature=temperature, want_entropy=plan.want_entropy, **plan.slice_args(0, plan.n_tokens)
-        )
+        loss_rows, logp, entropy, grad = tl_kernels.token_loss_grad_in_fwd(x, plan, temperature=temperature)
         ctx.grad = grad
         ctx.mark_non_differentiable(logp, entropy)
         ctx.set_materialize_grads(False)

@@ -1,8 +1,10 @@
-"""The token-level loss plan and its launcher: one launch of the per-token loss terms over a row range.
+"""The token-level loss launcher: one launch of the per-token loss terms over a row range of a plan.
 
-:class:`TokenLossPlan` is the interface between the RL algebra and the kernels: the per-token
-constants and the kernel scalars of one micro-batch's loss (``rlkernel.rl.token_loss.build_plan``
-builds it from a ``PolicyLossConfig`` and the ``[B, T]`` batch). :func:`token_loss` runs ONE launch
+:class:`TokenLossPlan` (defined in :mod:`rlkernel._token_loss_plan`, below every layer, so that the
+kernels and the reference take it too; re-exported here) is the interface between the RL algebra
+and the kernels: the per-token constants and the scalars (:class:`TokenLossScalars`) of one
+micro-batch's loss (``rlkernel.rl.token_loss.build_plan`` builds it from a ``PolicyLossConfig`` and
+the ``[B, T]`` batch). :func:`token_loss` runs ONE launch
 (:mod:`rlkernel.kernels.token_loss`, or :mod:`rlkernel.reference.token_loss` on the CPU) over any
 row range ``[start, stop)`` of the flat tokens and returns that range's loss partial sum and the
 coefficients dL/dlogp, dL/dH. It lives in ``ops`` (not ``rl``) because the autograd Functions of the
@@ -17,39 +19,12 @@ import torch
 
 from rlkernel import _dispatch
 from rlkernel import _validate as check
+from rlkernel._token_loss_plan import (  # noqa: F401 - re-exported: the plan's types live below every layer
+    IGNORE_INDEX,
+    TokenLossPlan,
+    TokenLossScalars,
+)
 from rlkernel.reference import token_loss as ref_impl
-
-IGNORE_INDEX = -100
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLossPlan:
-    """Per-token constants and scalars of one micro-batch's loss, over the flat N tokens.
-
-    Attributes:
-        n_tokens: N.
-        tensors: flat contiguous ``[N]`` tensors ``ids`` (int64, ``IGNORE_INDEX`` at inactive
-            tokens), ``old``, ``adv`` and optionally ``ref``, ``rollout_w``, ``factor`` (fp32), and
-            the 0-dim ``denom`` (or None): see :mod:`rlkernel.kernels.token_loss`. On padded input
-            ``adv`` (when given per sequence) and ``factor`` are ``[S]`` per sequence
-            (``scalars["adv_per_seq"]``, ``scalars["factor_per_seq"]``), read by sequence index.
-        scalars: the kernel's runtime scalars and branch choices (loss, kl, clips, coefficients).
-        want_entropy: the loss uses the entropy (``entropy_coef != 0``).
-    """
-
-    n_tokens: int
-    tensors: dict
-    scalars: dict
-    want_entropy: bool
-
-    def slice_args(self, start: int, stop: int) -> dict:
-        """The kernel/reference keyword arguments for tokens ``[start, stop)`` (views, no copies)."""
-        per_seq = {"adv": self.scalars["adv_per_seq"], "factor": self.scalars["factor_per_seq"]}
-        args = {
-            k: (v[start:stop] if v is not None and v.dim() == 1 and not per_seq.get(k, False) else v)
-            for k, v in self.tensors.items()
-        }
-        return {**args, **self.scalars, "row0": start}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +40,6 @@ class TokenLossTerms:
     loss: torch.Tensor
     g_logp: torch.Tensor
     g_entropy: torch.Tensor | None
-
 
 
 def token_loss(
@@ -101,7 +75,7 @@ def token_loss(
         raise ValueError(f"entropy with {n} elements is required: the loss has an entropy term")
     ent = entropy.detach().reshape(-1).contiguous() if plan.want_entropy else None
     x = logp.detach().reshape(-1).contiguous()
-    args = plan.slice_args(start, stop)
+    rows = plan.rows(start, stop)
     if backend is None:
         backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64)
     if backend == "triton":
@@ -110,9 +84,9 @@ def token_loss(
         partial = torch.empty(kernels.n_partials(n), dtype=torch.float32, device=x.device)
         g_logp = torch.empty(n, dtype=torch.float32, device=x.device)
         g_entropy = torch.empty(n, dtype=torch.float32, device=x.device) if ent is not None else None
-        kernels.token_loss_fwd(partial, g_logp, g_entropy, logp=x, entropy=ent, **args)
+        kernels.token_loss_fwd(partial, g_logp, g_entropy, x, ent, rows)
         return TokenLossTerms(partial.sum(), g_logp, g_entropy)
-    loss_t, g_logp, g_entropy = ref_impl.token_loss(x, ent, **args)
+    loss_t, g_logp, g_entropy = ref_impl.token_loss(x, ent, rows)
     return TokenLossTerms(loss_t.sum(), g_logp, g_entropy)
 
 
@@ -120,7 +94,7 @@ def as_coef_fn(plan: TokenLossPlan):
     """``coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy)`` for a chunked engine
     (e.g. ``rlkernel.ops._linear_function.fused_linear_token_loss``), one :func:`token_loss` launch
     per chunk ``rows`` (a ``slice`` of the flat tokens, step 1). Run the engine with
-    ``token_ids=plan.tensors["ids"]`` (``IGNORE_INDEX`` at masked positions) and
+    ``token_ids=plan.ids`` (``IGNORE_INDEX`` at masked positions) and
     ``with_entropy=plan.want_entropy``; the engine adds the chunks' ``loss_part`` in order."""
 
     def coef_fn(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None):

@@ -1,6 +1,7 @@
 """Reference for the token-level loss kernel (:mod:`rlkernel.kernels.token_loss`): readable PyTorch, fp32.
 
-Same inputs as the kernel's launcher ``token_loss_fwd`` (without the output buffers); returns the
+Takes what the kernel's launcher ``token_loss_fwd`` takes (without the output buffers): the tokens'
+log-probs (and entropies) and a :class:`rlkernel._token_loss_plan.TokenLossPlan`; returns the
 per-token loss contribution ℓ_t (the kernel returns only block sums of it) and the coefficients
 g_logp = dL/dlogp_t, g_entropy = dL/dentropy_t for an upstream gradient of 1:
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from rlkernel._token_loss_plan import TokenLossPlan, TokenLossScalars
+
 LOG_RATIO_BOUND = 20.0
 K3_LOG_RATIO_BOUND = 20.0
 K3_VALUE_BOUND = 10.0
@@ -37,7 +40,10 @@ def _max_grad(a, b, da, db):
     return torch.maximum(a, b), torch.where(a > b, da, torch.where(a < b, db, 0.5 * (da + db)))
 
 
-def _policy(loss, x, r, dr, a, clip_lo, clip_hi, delta, dual_clip, tau_pos, tau_neg):
+def _policy(s: TokenLossScalars, x, r, dr, a) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy term P and dP/dlogp of ``s.loss``."""
+    clip_lo, clip_hi, delta, dual_clip = s.clip_lo, s.clip_hi, s.delta, s.dual_clip
+    loss = s.loss
     if loss == "ppo":
         u = r.clamp(max=delta)
         c = r.clamp(clip_lo, clip_hi)
@@ -54,9 +60,9 @@ def _policy(loss, x, r, dr, a, clip_lo, clip_hi, delta, dual_clip, tau_pos, tau_
         wc = r.clamp(clip_lo, clip_hi)
         return -wc * a * x, -wc * a
     if loss == "sapo":
-        tau = torch.where(a > 0, tau_pos, tau_neg)
-        s = torch.sigmoid(tau * (r - 1.0))
-        return -(4.0 / tau) * s * a, -4.0 * s * (1.0 - s) * a * dr
+        tau = torch.where(a > 0, s.tau_pos, s.tau_neg)
+        sig = torch.sigmoid(tau * (r - 1.0))
+        return -(4.0 / tau) * sig * a, -4.0 * sig * (1.0 - sig) * a * dr
     if loss == "reinforce":
         return -a * x, -a
     raise ValueError(f"loss must be ppo | cispo | sapo | reinforce, got {loss!r}")
@@ -86,53 +92,23 @@ def _kl(kl: str, d: torch.Tensor, straight: bool) -> tuple[torch.Tensor, torch.T
 
 
 def token_loss(
-    logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    *,
-    ids: torch.Tensor,
-    old: torch.Tensor,
-    adv: torch.Tensor,
-    ref: torch.Tensor | None,
-    rollout_w: torch.Tensor | None,
-    factor: torch.Tensor | None,
-    denom: torch.Tensor | None,
-    row0: int,
-    seq_len: int,
-    adv_per_seq: bool,
-    factor_per_seq: bool,
-    ignore_index: int,
-    norm_mult: float,
-    denom_floor: float,
-    loss: str,
-    clip_lo: float,
-    clip_hi: float,
-    delta: float,
-    dual_clip: float | None,
-    tau_pos: float,
-    tau_neg: float,
-    kl: str | None,
-    kl_straight: bool,
-    kl_coef: float,
-    entropy_coef: float,
+    logp: torch.Tensor, entropy: torch.Tensor | None, plan: TokenLossPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(loss_tokens, g_logp, g_entropy)``, each fp32 ``[N]`` (``g_entropy`` None without entropy).
 
     Args:
-        logp, entropy: ``[N]`` float, this slice's log-probs (and entropy, or None).
-        ids: ``[N]`` int, ``ignore_index`` at inactive tokens.
-        old, adv, ref, rollout_w, factor: ``[N]`` float per-token constants (None: absent).
-        denom: 0-dim tensor of the aggregation denominator, or None.
-        row0, seq_len, adv_per_seq, factor_per_seq: with ``*_per_seq``, ``adv``/``factor`` are
-            ``[S]`` per sequence and token i belongs to sequence (row0 + i) // seq_len.
-        Other arguments: the scalars described in :mod:`rlkernel.kernels.token_loss`.
+        logp, entropy: ``[N]`` float, the log-probs of the plan's N tokens (and their entropy when
+            ``plan.want_entropy``, else None).
+        plan: the per-token constants and scalars of those tokens (a whole plan, or a row range
+            from ``plan.rows(start, stop)``), as the kernel's launcher takes it.
     """
     f32 = torch.float32
-    active = ids != ignore_index
-    seq = (row0 + torch.arange(ids.numel(), device=ids.device)) // max(seq_len, 1)
-    if adv_per_seq:
-        adv = adv[seq]
-    if factor_per_seq and factor is not None:
-        factor = factor[seq]
+    s = plan.scalars
+    ids = plan.ids
+    active = ids != plan.ignore_index
+    seq = (plan.row0 + torch.arange(ids.numel(), device=ids.device)) // plan.seq_len
+    adv = plan.adv[seq] if plan.adv_per_seq else plan.adv
+    factor = plan.factor[seq] if plan.factor_per_seq else plan.factor
 
     def get(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.where(active, t.to(f32), 0.0)
@@ -140,26 +116,26 @@ def token_loss(
     def bad(t: torch.Tensor) -> torch.Tensor:
         return ~torch.isfinite(t)
 
-    x, old_, a = get(logp), get(old), get(adv)
+    x, old_, a = get(logp), get(plan.old), get(adv)
     nan_in = bad(x) | bad(a)
-    if loss != "reinforce":  # −A·logp does not read old
+    if s.loss != "reinforce":  # −A·logp does not read old
         nan_in |= bad(old_)
     lr = x - old_
     r = torch.exp(lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     dr = r * _pass(lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    pol, g = _policy(loss, x, r, dr, a, clip_lo, clip_hi, delta, dual_clip, tau_pos, tau_neg)
-    if rollout_w is not None:
-        rho = get(rollout_w)
+    pol, g = _policy(s, x, r, dr, a)
+    if plan.rollout_w is not None:
+        rho = get(plan.rollout_w)
         nan_in |= rho.isnan()
         pol, g = pol * rho, g * rho
-    if kl is not None:
-        ref_ = get(ref)
+    if s.kl is not None:
+        ref_ = get(plan.ref)
         nan_in |= bad(ref_)
-        kv, kg = _kl(kl, x - ref_, kl_straight)
-        pol, g = pol + kl_coef * kv, g + kl_coef * kg
-    den = torch.tensor(norm_mult, dtype=f32, device=x.device)
-    if denom is not None:
-        den = den * denom.to(device=x.device, dtype=f32).clamp_min(denom_floor)
+        kv, kg = _kl(s.kl, x - ref_, s.kl_straight)
+        pol, g = pol + s.kl_coef * kv, g + s.kl_coef * kg
+    den = torch.tensor(s.norm_mult, dtype=f32, device=x.device)
+    if plan.denom is not None:
+        den = den * plan.denom.to(device=x.device, dtype=f32).clamp_min(s.denom_floor)
     # A (global) denominator that is 0, negative or not finite: NaN for active tokens; inactive ones
     # stay 0, so an all-masked call gives 0 even with a normalizer of 0.
     den = torch.where(torch.isfinite(den) & (den > 0), den, float("nan"))
@@ -170,8 +146,8 @@ def token_loss(
     if entropy is not None:
         h = get(entropy)
         nan_in |= bad(h)
-        loss_t = loss_t - entropy_coef * w * h
-        g_entropy = torch.where(active, -entropy_coef * w, 0.0)
+        loss_t = loss_t - s.entropy_coef * w * h
+        g_entropy = torch.where(active, -s.entropy_coef * w, 0.0)
     nan = torch.full_like(x, float("nan"))
     loss_t = torch.where(active, torch.where(nan_in, nan, loss_t), 0.0)
     g_logp = torch.where(active, torch.where(nan_in, nan, g_logp), 0.0)

@@ -275,7 +275,7 @@ def _fused_linear_token_level(hidden, weight, bias, token_ids, masked_ids, batch
         hidden,
         weight,
         bias,
-        plan.tensors["ids"],
+        plan.ids,
         coef_fn=token_loss.as_coef_fn(plan),
         temperature=temperature,
         ignore_index=IGNORE_INDEX,

@@ -41,6 +41,7 @@ from rlkernel import _validate as check
 from rlkernel.ops.token_loss import (  # noqa: F401 - re-exported: the plan and its launcher
     IGNORE_INDEX,
     TokenLossPlan,
+    TokenLossScalars,
     TokenLossTerms,
     as_coef_fn,
     token_loss,
@@ -232,13 +233,7 @@ def build_plan(
         clip_lo = -inf if cfg.clip_low is None else 1.0 - cfg.clip_low
     else:
         clip_lo = 1.0 - cfg.clip_low if cfg.clip_low is not None else -inf
-    scalars = dict(
-        seq_len=seg.max_len,
-        adv_per_seq=adv_per_seq,
-        factor_per_seq=factor is not None and not seg.is_packed,
-        ignore_index=IGNORE_INDEX,
-        norm_mult=norm_mult,
-        denom_floor=floor,
+    scalars = TokenLossScalars(
         loss=cfg.loss_type,
         clip_lo=clip_lo,
         clip_hi=1.0 + cfg.clip_high,
@@ -250,8 +245,10 @@ def build_plan(
         kl_straight=straight,
         kl_coef=cfg.kl_coef,
         entropy_coef=cfg.entropy_coef,
+        norm_mult=norm_mult,
+        denom_floor=floor,
     )
-    tensors = dict(
+    return TokenLossPlan(
         ids=flat_ids,
         old=_flat_f32(old_logp),
         adv=adv_t,
@@ -259,5 +256,9 @@ def build_plan(
         rollout_w=rollout_w,
         factor=factor,
         denom=denom,
+        scalars=scalars,
+        seq_len=max(seg.max_len, 1),  # only a divisor: an empty batch has no sequence to index
+        adv_per_seq=adv_per_seq,
+        factor_per_seq=factor is not None and not seg.is_packed,
+        ignore_index=IGNORE_INDEX,
     )
-    return TokenLossPlan(n_tokens=n, tensors=tensors, scalars=scalars, want_entropy=cfg.entropy_coef != 0)
