@@ -152,13 +152,13 @@ def test_inplace_backward_option_reaches_the_primitive_and_is_logits_only(monkey
     import rlkernel.rl.fused as fused_mod
 
     seen = {}
-    real = fused_mod.token_logprobs
+    real = fused_mod.token_logprobs_checked
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused_mod, "token_logprobs", spy)  # seam: spy
+    monkeypatch.setattr(fused_mod, "token_logprobs_checked", spy)  # seam: spy
     p = _problem(seed=8)
     b = p["batch"]
     kwargs = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"])

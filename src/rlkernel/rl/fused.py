@@ -194,10 +194,10 @@ def fused_policy_loss(
     if _token_level(cfg, logits, opts):
         two_pass_max_vocab = opts.grad_in_forward_max_vocab
         return _fused_token_level(
-            logits, token_ids, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
+            logits, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
         )
     if not tp and _token_level_linear(cfg, hidden, weight, opts):
-        return _fused_linear_token_level(hidden, weight, bias, token_ids, (ids, active), batch, temperature)
+        return _fused_linear_token_level(hidden, weight, bias, (ids, active), batch, temperature)
     want_entropy = cfg.entropy_coef != 0
     common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     if logits is not None:
@@ -217,37 +217,18 @@ def fused_policy_loss(
     return loss_from_batch(logp, entropy, batch)
 
 
-def _plan(token_ids, masked_ids, batch: LossBatch) -> token_loss.TokenLossPlan:
-    """The token-level plan (per-token constants) of a fused call."""
-    return token_loss.build_plan(
-        batch.cfg,
-        token_ids=token_ids,
-        masked_ids=masked_ids,
-        old_logp=batch.old_logp,
-        advantages=batch.advantages,
-        mask=batch.mask,
-        ref_logp=batch.ref_logp,
-        rollout_logp=batch.rollout_logp,
-        global_tokens=batch.global_tokens,
-        global_seqs=batch.global_seqs,
-        cu_seqlens=batch.cu_seqlens,
-    )
-
-
 def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
     """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
     metrics equal the composed path's."""
     return PolicyLossOutput(loss, compute_metrics=lambda: loss_from_batch(logp, entropy, batch).metrics)
 
 
-def _fused_token_level(
-    logits, token_ids, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab
-):
+def _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab):
     """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy.
     ``two_pass_max_vocab``: the option ``grad_in_forward_max_vocab``."""
     from rlkernel.ops._logprobs_function import token_loss_triton
 
-    plan = _plan(token_ids, masked_ids, batch)
+    plan = token_loss.plan_from_batch(batch, masked_ids)
     two_pass = (
         logits.shape[-1] <= two_pass_max_vocab
         and not inplace_backward
@@ -265,12 +246,12 @@ def _fused_token_level(
     return _output(loss, logp, entropy if plan.want_entropy else None, batch)
 
 
-def _fused_linear_token_level(hidden, weight, bias, token_ids, masked_ids, batch, temperature):
+def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature):
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
-    plan = _plan(token_ids, masked_ids, batch)
+    plan = token_loss.plan_from_batch(batch, masked_ids)
     outs = fused_linear_token_loss(
         hidden,
         weight,

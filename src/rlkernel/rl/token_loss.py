@@ -48,6 +48,7 @@ from rlkernel.ops.token_loss import (  # noqa: F401 - re-exported: the plan and 
 )
 from rlkernel.rl import rollout
 from rlkernel.rl.aggregate import Segments, finite_or_nan
+from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator
 
@@ -79,46 +80,6 @@ def _inverse_index(seg: Segments, n_tokens: int) -> torch.Tensor | None:
     # Padding slots all point at the spare entry N (any of them may win: it is dropped).
     inv.scatter_(0, gather, torch.arange(gather.numel(), device=gather.device))
     return inv[:n_tokens]
-
-
-def _validate(cfg, ids, old_logp, advantages, mask, ref_logp, rollout_logp, cu_seqlens) -> Segments:
-    """The checks of ``policy_loss`` that need no tensor op (the same errors, raised here, eagerly)."""
-    if not isinstance(cfg, PolicyLossConfig):
-        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
-    shape = ids.shape
-    if ids.dim() == 2:
-        if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {check.describe(ids)}")
-        seg = Segments.padded(shape)
-    elif ids.dim() == 1:
-        if cu_seqlens is None:
-            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {check.describe(ids)}")
-        cu = check.cu_seqlens_tensor("cu_seqlens", cu_seqlens, shape[0])
-        seg = Segments.packed(cu, shape[0], ids.device)
-    else:
-        raise ValueError(
-            f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {check.describe(ids)}"
-        )
-    check.float_tensor("old_logp", old_logp)
-    check.same_shape("old_logp", old_logp, "logp", shape)
-    check.same_device("old_logp", old_logp, "logp", ids.device)
-    for name, value in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
-        if value is not None:
-            check.float_tensor(name, value)
-            check.same_shape(name, value, "logp", shape)
-            check.same_device(name, value, "logp", ids.device)
-    if cfg.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when cfg.kl_coef > 0 (kl_coef={cfg.kl_coef})")
-    if cfg.rollout_correction is not None and rollout_logp is None:
-        raise ValueError(f"rollout_logp is required when cfg.rollout_correction={cfg.rollout_correction!r}")
-    adv = check.float_tensor("advantages", advantages)
-    check.same_device("advantages", adv, "logp", ids.device)
-    if adv.shape != shape and not (adv.dim() == 1 and adv.shape[0] == seg.n_seqs):
-        raise ValueError(
-            f"advantages must have shape ({seg.n_seqs},) (one per sequence) or {tuple(shape)} "
-            f"(one per token, the shape of logp), got {check.describe(adv)}"
-        )
-    return seg
 
 
 def _normalizer(value, device) -> tuple[float, torch.Tensor | None]:
@@ -164,30 +125,50 @@ def build_plan(
     Raises:
         TypeError / ValueError: what ``policy_loss`` raises for the same inputs.
     """
+    ids = check.int_tensor("token_ids", token_ids)
+    batch = validate_batch(
+        cfg,
+        ids,
+        old_logp=old_logp,
+        advantages=advantages,
+        mask=mask,
+        ref_logp=ref_logp,
+        rollout_logp=rollout_logp,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        cu_seqlens=cu_seqlens,
+        like_name="token_ids",
+    )
+    if masked_ids is None:
+        active = batch.mask != 0
+        masked_ids = (torch.where(active, ids.long(), IGNORE_INDEX), active)
+    return plan_from_batch(batch, masked_ids)
+
+
+def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tensor]) -> TokenLossPlan:
+    """:func:`build_plan` of inputs already validated into ``batch`` (checks nothing again).
+
+    Args:
+        batch: from :func:`rlkernel.rl.batch.validate_batch`, of an eligible config.
+        masked_ids: ``(ids, active)``: int64 ids with ``IGNORE_INDEX`` at masked positions and the
+            bool mask of active positions, the per-token shape.
+    """
+    cfg, seg, device = batch.cfg, batch.segments, batch.device
     if not is_eligible(cfg):
         raise ValueError(
             f"loss_type={cfg.loss_type!r} has no token-level plan (eligible: {ELIGIBLE_LOSS_TYPES})"
         )
-    ids = check.int_tensor("token_ids", token_ids)
-    mask = check.mask_tensor("mask", mask)
-    check.same_shape("mask", mask, "token_ids", ids.shape)
-    check.same_device("mask", mask, "token_ids", ids.device)
-    seg = _validate(cfg, ids, old_logp, advantages, mask, ref_logp, rollout_logp, cu_seqlens)
-    device = ids.device
-    n = ids.numel()
-    if masked_ids is None:
-        active = mask != 0
-        masked_ids = (torch.where(active, ids.long(), IGNORE_INDEX), active)
+    old_logp, ref_logp, rollout_logp = batch.old_logp, batch.ref_logp, batch.rollout_logp
     flat_ids, active = masked_ids[0].reshape(-1), masked_ids[1]
-    g_tokens = check.normalizer("global_tokens", global_tokens, device)
-    g_seqs = check.normalizer("global_seqs", global_seqs, device)
+    n = flat_ids.numel()
+    g_tokens, g_seqs = batch.global_tokens, batch.global_seqs
     inverse = _inverse_index(seg, n)
     act2 = seg.to_padded(active, fill=False)
 
     # Per-sequence values of a padded batch stay [S]: the kernel reads sequence token // T.
-    adv = advantages.detach()
-    adv_per_seq = adv.shape != ids.shape and not seg.is_packed
-    if adv.shape == ids.shape or adv_per_seq:
+    adv = batch.advantages.detach()
+    adv_per_seq = batch.advantages_per_seq and not seg.is_packed
+    if not batch.advantages_per_seq or adv_per_seq:
         adv_t = _flat_f32(adv)
     else:
         adv_t = _to_tokens(adv.to(torch.float32)[:, None], seg, inverse)
