@@ -139,7 +139,7 @@ def test_backward_kernel_scale_is_read_on_device():
     gl, gh = torch.randn(4, generator=g).to(DEVICE), torch.randn(4, generator=g).to(DEVICE)
     base = k.token_logprobs_bwd(x, ids, lse, ent, gl, gh)
     out = torch.empty_like(x)
-    k._token_logprobs_bwd(
+    k.token_logprobs_bwd_into(
         x,
         ids,
         lse,

@@ -322,7 +322,7 @@ def _check_layout(logits: torch.Tensor) -> tuple[int, int, int, int]:
     return layout
 
 
-def _token_logprobs_fwd(
+def token_logprobs_fwd_into(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
     logp: torch.Tensor,
@@ -384,7 +384,7 @@ def token_logprobs_fwd(
     logp = torch.empty(lead, dtype=torch.float32, device=x.device)
     lse = torch.empty(lead, dtype=torch.float32, device=x.device)
     entropy = torch.empty(lead if return_entropy else (0,), dtype=torch.float32, device=x.device)
-    _token_logprobs_fwd(
+    token_logprobs_fwd_into(
         x,
         token_ids,
         logp,
@@ -397,7 +397,7 @@ def token_logprobs_fwd(
     return logp, entropy, lse
 
 
-def _token_logprobs_bwd(
+def token_logprobs_bwd_into(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
     lse: torch.Tensor,
@@ -485,7 +485,7 @@ def token_logprobs_bwd(
     """Allocating backward: a new contiguous ``grad_logits`` in the logits' dtype and shape."""
     x = as_kernel_layout(logits)
     grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _token_logprobs_bwd(
+    token_logprobs_bwd_into(
         x,
         token_ids,
         lse,

@@ -130,7 +130,7 @@ def _mm_out_dtype_supported(device: torch.device) -> bool:
 def _bwd_into(z, ids, lse, entropy, g_logp, g_ent, grad, temperature, ignore_index):
     """The logits gradient of one chunk into ``grad``: ``z`` itself (in place) or a contiguous buffer
     of the inputs' dtype when ``z`` is fp32 (one pass: the kernel casts on store)."""
-    lk._token_logprobs_bwd(
+    lk.token_logprobs_bwd_into(
         z, ids, lse, entropy, g_logp, g_ent, grad, temperature=temperature, ignore_index=ignore_index
     )
 
@@ -208,7 +208,7 @@ class _Engine:
         lp = torch.empty(c, dtype=torch.float32, device=dev)
         ls = torch.empty(c, dtype=torch.float32, device=dev)
         en = torch.empty(c, dtype=torch.float32, device=dev) if with_entropy else None
-        lk._token_logprobs_fwd(z, self.idbuf[sl], lp, en, ls, temperature=self.t, ignore_index=self.ii)
+        lk.token_logprobs_fwd_into(z, self.idbuf[sl], lp, en, ls, temperature=self.t, ignore_index=self.ii)
         return lp, en, ls
 
     def chunk_grad(self, sl, z, lse, entropy, g_logp, g_ent):

@@ -111,7 +111,7 @@ def _bwd_inplace_op(
             )
         )
         return
-    kernels._token_logprobs_bwd(
+    kernels.token_logprobs_bwd_into(
         logits,
         token_ids,
         lse,
@@ -261,7 +261,7 @@ class TokenLossFunction(torch.autograd.Function):
         # A retained graph will run this backward again: the logits must stay intact until the last.
         inplace = ctx.inplace_backward and not autograd_state.graph_retained()
         grad = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        kernels._token_logprobs_bwd(
+        kernels.token_logprobs_bwd_into(
             x,
             ids,
             lse,

@@ -328,7 +328,7 @@ def _kernel_forward(gemms, hidden, kernel_ids, owned, group, temperature, chunk_
         lse_r = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
         logp_r = torch.empty_like(lse_r)
         ent_r = torch.empty_like(lse_r) if want_ent else None
-        kern._token_logprobs_fwd(
+        kern.token_logprobs_fwd_into(
             z, kernel_ids[rows], logp_r, ent_r, lse_r, temperature=temperature, ignore_index=-1
         )
         del z
@@ -355,7 +355,7 @@ def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, temper
 
     z = gemms.raw_logits(h)
     g = torch.empty(z.shape, dtype=gemms.w.dtype, device=z.device)
-    kern._token_logprobs_bwd(
+    kern.token_logprobs_bwd_into(
         z,
         kernel_ids,
         lse,
