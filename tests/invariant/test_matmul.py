@@ -221,6 +221,7 @@ def test_tuned_runs_single_on_unverified_gpus(monkeypatch):
     assert km.mode_for(cuda0) == "single"
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_gpu_invariance_across_buckets(monkeypatch):
     """On the GPU, in the default (tuned) MODE, across every bucket boundary and weight class."""
