@@ -209,7 +209,7 @@ def test_tma_unavailable_or_failing_falls_back_within_the_class(monkeypatch):
 
 
 def test_tuned_runs_single_on_unverified_gpus(monkeypatch):
-    """The table is one class only where the GPU script showed it: elsewhere "single" runs."""
+    """The table is one class only where the GPU tests showed it: elsewhere "single" runs."""
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(km, "MODE", "tuned")
     monkeypatch.setattr(km, "_device_capability", lambda device: (8, 0))

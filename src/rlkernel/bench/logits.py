@@ -16,7 +16,7 @@ Implementations (each timed on the same inputs in one process):
                    baselines) check no token id either, and the default id check costs one host sync
                    per call, which stops the CPU from queuing the next call (measured on an H100:
                    2.82 ms/call without, 4.21 ms/call with it, back to back, before the token-level
-                   fusion). ``scripts/gpu_check_loss.py`` times both settings. DAPO takes the fused
+                   fusion). The opt-in ``rlkernel_validate`` row times the default. DAPO takes the fused
                    token-level path (one launch of loss algebra each way); GSPO the composed one.
     torch          plain PyTorch: ``log_softmax(logits.float() / T).gather(...)``, entropy from the same
                    log-softmax, the RL algebra written out (``plain_policy_loss``)

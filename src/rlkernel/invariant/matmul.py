@@ -6,8 +6,8 @@ LM head); ``matmul(a, b)`` is the same kernel with ``weight = b.T`` (a view, no 
 Backends (``rlkernel._dispatch``): the Triton kernel of :mod:`rlkernel.kernels.matmul` on CUDA for
 fp16/bf16/fp32; the row-by-row reference of :mod:`rlkernel.reference.matmul` on CPU and for fp64.
 Both are batch invariant in forward: the kernel by one K-reduction order per dtype, shared by every
-launch configuration its shape-aware table (``MODE = "tuned"``) can pick, which the GPU script
-re-verifies (see the kernel module); the reference by computing every row through an identical
+launch configuration its shape-aware table (``MODE = "tuned"``) can pick, which the GPU tests
+re-verify (see the kernel module); the reference by computing every row through an identical
 fixed-shape call.
 
 Backward (training): ``dx = dy @ weight``, ``dweight = dy.T @ x``, ``dbias = Σ_rows dy``, all with
@@ -43,7 +43,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The two backward GEMMs on the Triton backend: "kernel" (the invariant kernel: no split-K, no
 # atomics, deterministic by construction) or "torch" (cuBLAS: deterministic run to run on one GPU
 # with its default no-atomics mode and one stream, and faster on shapes the kernel tiles poorly).
-# scripts/gpu_check_invariant_ops.py times and checks both; a one-line switch.
+# tests/gpu/test_invariant_ops.py checks both, rlkernel bench invariant times both; a one-line switch.
 BACKWARD_GEMM = "kernel"
 
 

@@ -23,7 +23,7 @@ program order (GROUP_M), TMA or pointer loads, persistent or not change no bit (
 2026-11-21, K = N = 4096: bf16 13 configs, fp16 7, fp32 2, each one class; 33 more 16-row decode
 tiles with BLOCK_K 64-256 and GROUP_M = 8, bf16 and fp16, also at K = 4072, N = 1000: the same
 class per dtype). That equality is a property of the tensor-core datapath and the compiler, not of
-this code, so ``scripts/gpu_check_invariant_ops.py`` re-verifies on every run that
+this code, so the GPU tests (``tests/gpu/test_invariant_ops.py``) re-verify on every run that
 ``table_configs(dtype)`` is one class (and that the public ``linear`` is invariant from M = 1 to
 100,000): a GPU or Triton version that breaks the class shows up as a FAIL there. Until a GPU model
 has been checked, the tuned table is not used on it (``TUNED_CAPABILITIES``): ``MODE = "single"``
@@ -48,7 +48,7 @@ Caveats:
     * Invariance holds for one configuration table on one GPU model and compiler version: a rollout
       and a trainer that must agree bitwise must run the same ``TUNED``/``MODE`` and GPU model.
     * Only M = 1, 8, 64 and 8192 were timed per candidate (M = 256 and 2048: the table and the
-      single configuration only, both ~2-4x cuBLAS; the GPU script now times the candidates
+      single configuration only, both ~2-4x cuBLAS; ``rlkernel bench invariant`` times the table
       there); the 65…1024 bucket and the tile-count thresholds
       (``MIN_TILES``, ``MIN_TILES_TMA``) are extrapolated from them (speed only, not invariance).
     * The persistent TMA kernel is slower than the pointer kernel when a grid has few tiles per SM
@@ -78,7 +78,7 @@ from rlkernel.kernels._launch import device_guard as _device_guard
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
     """Launch configuration. ``block_k`` and the dot's instruction kind fix a row's bits; the other
-    fields are free only where the GPU check shows that they change no bit. ``flatten`` and
+    fields are free only where the GPU tests show that they change no bit. ``flatten`` and
     ``warp_specialize`` are ``tl.range`` options of the persistent TMA kernel's tile loop."""
 
     block_m: int
@@ -93,11 +93,11 @@ class MatmulConfig:
     name: str = ""
 
 
-# Candidates (scripts/gpu_check_invariant_ops.py checks and, with --sweep, times them all;
+# Candidates (tests/gpu/test_invariant_ops.py checks the table's on every GPU run;
 # scripts/gpu_decode_gemm_sweep.py sweeps 16-row decode tiles). "decode_k128" and
 # "prefill_tma_s4" (over the H100's shared memory) are measured but kept out of the tables; the
 # mma16* and dec_* 16-row tiles were measured in the bf16 class on the H100, the dec_* ones also in
-# fp16's and at a K-tail shape (the GPU script checks every table's class on every run).
+# fp16's and at a K-tail shape (the GPU tests check every table's class on every run).
 CANDIDATES_16 = {
     c.name: c
     for c in (
@@ -139,7 +139,7 @@ CANDIDATES_32 = {
 # One-line switch (see the module header): "tuned" = the measured table ``TUNED``; "single" = one
 # configuration per dtype (``SINGLE``) for every M, invariant by construction.
 MODE = "tuned"
-# GPU models (compute capability) on which the GPU script showed every table to be one class; on
+# GPU models (compute capability) on which the GPU tests showed every table to be one class; on
 # others "tuned" runs as "single". (9, 0): H100 (and H200, the same SM).
 TUNED_CAPABILITIES = {(9, 0)}
 
@@ -249,7 +249,7 @@ def config_for(
 
 def table_configs(dtype: torch.dtype, mode: str | None = None) -> list[MatmulConfig]:
     """Every config ``config_for`` can return for ``dtype`` in ``mode``: for batch invariance they
-    must all give the same bits (what the GPU script checks)."""
+    must all give the same bits (what ``tests/gpu/test_invariant_ops.py`` checks)."""
     if (mode or MODE) == "single":
         return [SINGLE[dtype]]
     found = [cfg for _, cells in TUNED[dtype] for cfgs in cells.values() for cfg in cfgs]

@@ -39,7 +39,8 @@ the log-softmax kernels stream them at ~3 TB/s (forward 0.8 ms bf16 / ~1.7 ms fp
 ~1.7–2.5 ms). The path is GEMM-bound: the target is the 3 GEMMs (~41 ms) plus a few ms of streaming
 and dweight accumulation. The primitive needs a 4th GEMM because its backward starts only when
 autograd hands it the upstream gradients, when the chunk logits are gone; the fused loss keeps 3.
-``scripts/gpu_check_linear.py`` measures C, G, the logits dtype and the accumulation mode.
+``rlkernel bench linear`` times the logits dtype and the accumulation mode (opt-in ``--impl``
+variants); C and G were swept on an H100 (benchmarks/results/gpu_check_linear_h100_2026-11-21.log).
 
 Chunk rule (row invariance). cuBLAS picks its algorithm from the problem shape and pointer
 alignment, and different algorithms round differently, so a row's logits would change bits with
@@ -111,7 +112,7 @@ from rlkernel.ops._linear_engine import (  # noqa: F401 - _mm_out_dtype_supporte
 LogitsDtype = Literal["fp32", "input"]
 DweightAccum = Literal["fp32", "weight"]
 
-# Defaults (see docs/guides/linear-path.md and scripts/gpu_check_linear.py for the measurements).
+# Defaults (see docs/guides/linear-path.md for the measurements).
 # fp32 chunk logits by default: the numerical contract (logp within ~1e-5 of the fp32 reference;
 # bf16 logits are off by up to 3e-2 at V = 151,936 and move the DAPO loss gradient by 4 % rel).
 # "input" (the input dtype, as the model's own LM head and inference engines give) is 5-6 %
