@@ -222,7 +222,7 @@ def check_global_normalizers(ctx: Ctx) -> None:
     mine = masks(ctx.rank)
     tokens, seqs = global_normalizers(mine, group=ctx.group)
     packed = [m.reshape(-1) for m in mine]
-    cus = [torch.arange(0, m.numel() + 1, m.shape[1], device=ctx.device) for m in mine]
+    cus = [torch.arange(0, m.numel() + 1, m.shape[1]) for m in mine]  # host offsets, as a trainer has them
     tokens_p, seqs_p = global_normalizers(packed, cu_seqlens=cus, group=ctx.group)
     want_t = sum(int(m.sum()) for r in range(ctx.world) for m in masks(r))
     want_s = sum(int(m.any(-1).sum()) for r in range(ctx.world) for m in masks(r))
