@@ -28,7 +28,7 @@ mkdir -p "$DIR"
 } 2>&1 | tee "$DIR/env.log"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [[ "$GPUS" -lt 1 && "${RLKERNEL_GPU_SMOKE:-0}" == "0" ]]; then
-  echo "gpu_suite: no CUDA device here (every test would skip); RLKERNEL_GPU_SMOKE=1 runs them on the CPU" >&2
+  echo "gpu_suite: no CUDA device here; RLKERNEL_GPU_SMOKE=1 runs the suite tiny on the CPU" >&2
   exit 2
 fi
 PER_TEST=()

@@ -5,13 +5,15 @@ checks at tiny sizes in the interpreter: accuracy against the fp32 references, b
 invariance, bitwise determinism, the fused paths against the composed ones. They need a CUDA device
 and skip cleanly without one.
 
-``RLKERNEL_GPU_SMOKE=1`` runs them on the CPU instead, at tiny sizes in the Triton interpreter
-(``SMOKE_SIZES``): a dry run of the test code itself (a few minutes on 2 cores), for when there is no
-GPU at hand. Tests whose point is the size itself (more than 65,535 rows, more than 2^31 elements,
-peak memory, kernel launch counts, ``torch.compile``) skip in that mode (:func:`real_size_only`).
+Without a GPU the sizes are ``SMOKE_SIZES`` (tiny, Triton interpreter). The few tests marked
+``cpu_smoke`` (cheap ones, one or two per module) run there in the CPU suite, so that the test code
+keeps working while nobody runs it on a GPU (a few seconds in all); ``RLKERNEL_GPU_SMOKE=1`` runs
+every test that way, a dry run of the whole GPU suite (~2 minutes on 2 cores). Tests whose point is
+the size itself (more than 65,535 rows, more than 2^31 elements, peak memory, kernel launch counts,
+``torch.compile``) skip on the CPU (:data:`real_size_only`).
 
 Fixtures:
-    device     the CUDA device (or the CPU in smoke mode); skips the test otherwise
+    device     the CUDA device (or the CPU)
     sizes      :data:`SIZES`, the sizes of this run (module constants read it at import for params)
     randn      seeded normal values on the device (never zeros), any float dtype
     randint    seeded integers on the device
@@ -27,6 +29,7 @@ import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,11 +37,23 @@ import torch
 import rlkernel as rk
 
 ON_GPU = torch.cuda.is_available()
-SMOKE = not ON_GPU and os.environ.get("RLKERNEL_GPU_SMOKE", "0") not in ("", "0")
-RUN = ON_GPU or SMOKE
+SMOKE = not ON_GPU  # tiny sizes in the interpreter
+RUN_ALL = ON_GPU or os.environ.get("RLKERNEL_GPU_SMOKE", "0") not in ("", "0")
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 real_size_only = pytest.mark.skipif(SMOKE, reason="only meaningful at real size on a GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without CUDA (and without ``RLKERNEL_GPU_SMOKE=1``) skip every test of this folder but the
+    ``cpu_smoke`` ones. A skip mark, not a fixture: module-scoped inputs are never built for them."""
+    if RUN_ALL:
+        return
+    here = Path(__file__).parent
+    skip = pytest.mark.skip(reason="needs a CUDA device (RLKERNEL_GPU_SMOKE=1 runs it tiny on the CPU)")
+    for item in items:
+        if here in item.path.parents and item.get_closest_marker("cpu_smoke") is None:
+            item.add_marker(skip)
 
 
 @dataclass(frozen=True)
@@ -237,14 +252,6 @@ SMOKE_SIZES = Sizes(
 )
 
 SIZES = SMOKE_SIZES if SMOKE else GPU_SIZES
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _needs_cuda():
-    """Skip without CUDA (unless smoke mode). Session scope: it runs before any module-scoped input
-    fixture could allocate real-size inputs on the CPU."""
-    if not RUN:
-        pytest.skip("needs a CUDA device (RLKERNEL_GPU_SMOKE=1 runs these tests tiny on the CPU)")
 
 
 @pytest.fixture(autouse=True)

@@ -223,6 +223,7 @@ def test_hf_adapter_left_padded_decode_equals_right_padded_prefill(back):
     assert not differ, f"sequences {differ} differ"
 
 
+@pytest.mark.cpu_smoke
 def test_decode_tile_gives_the_prefill_bits():
     """The production decode launch (``launch_config`` at one query per sequence) reproduces the
     prefill configuration's output and log-sum-exp bits at batch 2, at several positions."""
@@ -244,6 +245,7 @@ def test_decode_tile_gives_the_prefill_bits():
 
 
 # --------------------------------------------------------------------------------------- accuracy
+@pytest.mark.cpu_smoke
 @pytest.mark.parametrize("heads", S.heads, ids=HEAD_IDS)
 def test_forward_accuracy_vs_fp32_sdpa(heads):
     """Causal prefill, B = 4, T = 2048: max |ours − fp32 SDPA| within twice bf16 SDPA's own error."""

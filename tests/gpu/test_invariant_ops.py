@@ -134,6 +134,7 @@ def test_linear_layer_shapes_rows_equal_the_full_batch(table, layer):
     assert not bad, f"rows differ at M = {bad}"
 
 
+@pytest.mark.cpu_smoke
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_linear_accuracy_vs_fp64_and_cublas(dtype_name):
     """‖linear(x, W, b) − exact‖/‖exact‖ (fp64 exact) within the dtype's tolerance and at most
@@ -220,6 +221,7 @@ def test_rms_norm_fwd_bwd_twice_bitwise():
     assert not differ, f"not bitwise equal across two runs: {differ}"
 
 
+@pytest.mark.cpu_smoke
 @pytest.mark.parametrize("kind", ["hidden", "qk_norm"])
 def test_rms_norm_rows_equal_across_m(kind):
     """Rows of a slice equal the full batch's: hidden states ``[8192, 4096]`` and the per-head QK

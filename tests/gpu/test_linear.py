@@ -118,6 +118,7 @@ def test_primitive_matches_fp32_reference(primitive_case, logits_dtype, dweight_
     assert bool((logp[ignored] == 0).all()) and bool((grads[0][ignored] == 0).all())
 
 
+@pytest.mark.cpu_smoke
 def test_frozen_weight_matches_reference(primitive_case):
     """Weight without gradient: dhidden and dbias of Σ gl·logp against the reference's."""
     inp, gl, _, _ = primitive_case

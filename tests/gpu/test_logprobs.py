@@ -127,6 +127,7 @@ def test_inplace_backward_is_bitwise_the_out_of_place_one(make_logits, vocab):
     assert torch.equal(grads[False], grads[True])
 
 
+@pytest.mark.cpu_smoke
 def test_strided_logits_slice_is_read_in_place_and_bitwise_the_contiguous_copy(randn, randint):
     """``logits[:, :-1]`` of a ``[B, T+1, V]`` model output: no copy is made, and logp / entropy
     equal those of a contiguous copy bitwise."""
@@ -163,6 +164,7 @@ def test_row_invariance_bitwise(make_logits, vocab, rows):
     assert not differ, f"batch of {rows} rows differs from the full batch: {differ}"
 
 
+@pytest.mark.cpu_smoke
 def test_warps_and_stages_change_no_bit(make_logits):
     """num_warps / num_stages of the forward at the default tile give the same logp, entropy and
     lse bits (the per-lane partial sums are combined by pairwise trees, whatever the layout)."""

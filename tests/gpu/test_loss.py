@@ -128,6 +128,7 @@ def test_two_pass_matches_three_pass(inputs):
     assert_same_loss_and_grad(got, g_got, want, g_want)
 
 
+@pytest.mark.cpu_smoke
 def test_out_of_range_active_id_without_validation_gives_nan(inputs):
     """``validate=False`` and an active id >= V: the loss is NaN (the kernel flags it), not a number
     read out of bounds."""
