@@ -12,9 +12,11 @@ every test that way, a dry run of the whole GPU suite (~2 minutes on 2 cores). T
 the size itself (more than 65,535 rows, more than 2^31 elements, peak memory, kernel launch counts,
 ``torch.compile``) skip on the CPU (:data:`real_size_only`).
 
-Fixtures:
+Shared here: :data:`SIZES` (the sizes of this run, per test module; a constant, because
+``parametrize`` reads it at collection), :func:`generator` (seeded, on the device, for
+module-scoped inputs), :func:`rel_err`, :func:`no_tf32`, and the fixtures
+
     device     the CUDA device (or the CPU)
-    sizes      :data:`SIZES`, the sizes of this run (module constants read it at import for params)
     randn      seeded normal values on the device (never zeros), any float dtype
     randint    seeded integers on the device
 
@@ -268,11 +270,6 @@ def _triton_backend_and_cleanup():
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
-
-
-@pytest.fixture
-def sizes() -> Sizes:
-    return SIZES
 
 
 def generator(seed: int) -> torch.Generator:

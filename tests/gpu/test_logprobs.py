@@ -23,7 +23,7 @@ import rlkernel as rk
 from rlkernel.kernels import logprobs as K
 from rlkernel.reference import logprobs as ref
 
-from .conftest import DEVICE, SIZES, SMOKE, real_size_only
+from .conftest import SIZES, SMOKE, real_size_only
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +87,7 @@ def assert_within(actual, expected, atol, rtol, slack=None, what=""):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("vocab", S.vocabs)
-def test_bf16_fwd_bwd_matches_fp32_reference(make_logits, vocab, temperature):
+def test_bf16_fwd_bwd_matches_fp32_reference(make_logits, vocab, temperature, device):
     """logp, entropy and the logits gradient (random upstream gradients for both) of bf16 logits
     against the fp32 reference on the same values, at the first and last rows; ignored rows give
     exactly 0 and get exactly 0 gradient."""
@@ -95,9 +95,9 @@ def test_bf16_fwd_bwd_matches_fp32_reference(make_logits, vocab, temperature):
     logits, ids = make_logits(n, vocab, seed=vocab)
     x = logits.clone().requires_grad_(True)
     logp, ent = rk.token_logprobs(x, ids, temperature=temperature, return_entropy=True)
-    gen = torch.Generator(device=DEVICE).manual_seed(1)
-    g_logp = torch.randn(n, device=DEVICE, generator=gen)
-    g_ent = torch.randn(n, device=DEVICE, generator=gen)
+    gen = torch.Generator(device=device).manual_seed(1)
+    g_logp = torch.randn(n, device=device, generator=gen)
+    g_ent = torch.randn(n, device=device, generator=gen)
     ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
     for rows in (slice(0, S.ref_rows), slice(n - S.ref_rows, n)):
         r_logp, r_ent, r_grad, slack = reference_rows(
@@ -165,7 +165,7 @@ def test_row_invariance_bitwise(make_logits, vocab, rows):
 
 
 @pytest.mark.cpu_smoke
-def test_warps_and_stages_change_no_bit(make_logits):
+def test_warps_and_stages_change_no_bit(make_logits, device):
     """num_warps / num_stages of the forward at the default tile give the same logp, entropy and
     lse bits (the per-lane partial sums are combined by pairwise trees, whatever the layout)."""
     vocab = S.vocabs[0]
@@ -174,7 +174,7 @@ def test_warps_and_stages_change_no_bit(make_logits):
     outs = {}
     for warps, stages in ((base.num_warps, base.num_stages), (4, 1), (8, 2), (32, 4)):
         cfg = K.KernelConfig(base.block_v, warps, stages)
-        logp, ent, lse = (torch.empty(S.layout_n, device=DEVICE) for _ in range(3))
+        logp, ent, lse = (torch.empty(S.layout_n, device=device) for _ in range(3))
         K._token_logprobs_fwd(logits, ids, logp, ent, lse, temperature=1.0, ignore_index=-100, config=cfg)
         outs[(warps, stages)] = (logp, ent, lse)
     first = next(iter(outs.values()))
@@ -196,14 +196,14 @@ def test_determinism_fwd_bwd_twice_bitwise(make_logits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_fp16_and_fp32_logits_match_reference(make_logits, dtype):
+def test_fp16_and_fp32_logits_match_reference(make_logits, dtype, device):
     """The other logits dtypes at V = 151,936, temperature 0.7: logp, entropy, gradient."""
     n = S.other_dtypes_n
     logits, ids = make_logits(n, S.vocabs[0], seed=11, dtype=dtype)
     x = logits.clone().requires_grad_(True)
     logp, ent = rk.token_logprobs(x, ids, temperature=0.7, return_entropy=True)
     (logp.sum() + ent.sum()).backward()
-    ones = torch.ones(n, device=DEVICE)
+    ones = torch.ones(n, device=device)
     r_logp, r_ent, r_grad, slack = reference_rows(logits, ids, 0.7, ones, ones)
     assert_within(logp, r_logp, LOGP_ATOL, 0.0, what="logp")
     assert_within(ent, r_ent, *ENT_TOL, what="entropy")
@@ -211,7 +211,7 @@ def test_fp16_and_fp32_logits_match_reference(make_logits, dtype):
 
 
 @real_size_only
-def test_more_than_65535_rows_with_inplace_backward(make_logits):
+def test_more_than_65535_rows_with_inplace_backward(make_logits, device):
     """N = 70,000 rows (> the 65,535 limit of grid axes 1 and 2), V = 4096, in-place backward: the
     last rows against the reference."""
     n, tail_n = 70_000, 512
@@ -221,13 +221,13 @@ def test_more_than_65535_rows_with_inplace_backward(make_logits):
     x = logits.requires_grad_(True)
     logp = rk.token_logprobs(x, ids, inplace_backward=True)
     logp.sum().backward()
-    r_logp, _, r_grad, slack = reference_rows(tail_logits, ids[tail], 1.0, torch.ones(tail_n, device=DEVICE))
+    r_logp, _, r_grad, slack = reference_rows(tail_logits, ids[tail], 1.0, torch.ones(tail_n, device=device))
     assert_within(logp[tail], r_logp, LOGP_ATOL, 0.0, what="logp")
     assert_within(x.grad[tail], r_grad, *GRAD_TOL[torch.bfloat16], slack, what="grad")
 
 
 @real_size_only
-def test_more_than_2_pow_31_elements_with_entropy_and_inplace_backward(make_logits):
+def test_more_than_2_pow_31_elements_with_entropy_and_inplace_backward(make_logits, device):
     """N·V > 2^31 (N = 66,560, V = 32,768 bf16: 4.4 GB): rows whose offsets are past 2^31 elements
     (64-bit offsets) against the reference, forward with entropy, in-place backward."""
     vocab = 32768
@@ -241,7 +241,7 @@ def test_more_than_2_pow_31_elements_with_entropy_and_inplace_backward(make_logi
     x = logits.requires_grad_(True)
     logp, ent = rk.token_logprobs(x, ids, return_entropy=True, inplace_backward=True)
     (logp.sum() + ent.sum()).backward()
-    ones = torch.ones(tail_n, device=DEVICE)
+    ones = torch.ones(tail_n, device=device)
     r_logp, r_ent, r_grad, slack = reference_rows(tail_logits, ids[tail], 1.0, ones, ones)
     assert_within(logp[tail], r_logp, LOGP_ATOL, 0.0, what="logp")
     assert_within(ent[tail], r_ent, *ENT_TOL, what="entropy")
