@@ -2,19 +2,18 @@
 # Run several GPU steps in one device-tool call, each with its own time limit and log, and bundle
 # every log and result file into one archive (the device tool returns at most 8 files).
 #
-#   STEPS="check_loss check_linear" bash scripts/gpu_run.sh
+#   STEPS="gpu_suite bench_logits" bash scripts/gpu_run.sh
 #
 # Steps (each is one command below; PYTHONPATH=src, Liger wheels from .whl/ when carried):
-#   pytest          GPU tests (tests that skip without CUDA run here)
-#   check_logprobs  scripts/gpu_check_logprobs.py --no-bench
-#   check_loss      scripts/gpu_check_loss.py          (fused token-level loss vs reference, vs Liger)
-#   check_linear    scripts/gpu_check_linear.py        (LM head + log-probs/loss from hidden states)
-#   check_ops       scripts/gpu_check_invariant_ops.py (invariant GEMM and RMSNorm)
-#   check_attention scripts/gpu_check_attention.py     (invariant attention)
+#   pytest          the whole test suite on the GPU (tests that skip without CUDA run here)
+#   gpu_suite       scripts/gpu_suite.sh: the tests marked gpu (real-size checks, tests/gpu), then
+#                   the multi_gpu ones with >= 2 GPUs; logs + JUnit XML in results/gpu_suite/
+#                   (its own limits are 480 s + 300 s: raise STEP_TIMEOUT to match)
 #   consistency     scripts/gpu_consistency.sh         (rollout vs training log-probs, patched model)
 #   bench_logits    rlkernel bench logits
 #   bench_linear    rlkernel bench linear
 #   bench_invariant rlkernel bench invariant
+# BENCH_ARGS reaches the bench steps, e.g. the opt-in variants: BENCH_ARGS="--impl rlkernel,rlkernel_composed".
 # Outputs: $OUT/gpu_run.tgz (logs/<step>.log and results/*), and a summary table at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,11 +40,7 @@ STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 step_cmd() {
   case "$1" in
     pytest) echo "python3 -m pytest ${PYTEST_PATHS:-tests} -q -p no:cacheprovider ${PYTEST_ARGS:-}" ;;
-    check_logprobs) echo "python3 scripts/gpu_check_logprobs.py --no-bench" ;;
-    check_loss) echo "python3 scripts/gpu_check_loss.py" ;;
-    check_linear) echo "python3 scripts/gpu_check_linear.py" ;;
-    check_ops) echo "python3 scripts/gpu_check_invariant_ops.py" ;;
-    check_attention) echo "python3 scripts/gpu_check_attention.py" ;;
+    gpu_suite) echo "OUT=$RESULTS_DIR bash scripts/gpu_suite.sh" ;;
     consistency) echo "bash scripts/gpu_consistency.sh" ;;
     bench_*) echo "python3 -m rlkernel.bench ${1#bench_} --out $RESULTS_DIR ${BENCH_ARGS:-}" ;;
     *) echo "false unknown-step-$1" ;;

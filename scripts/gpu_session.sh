@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device-tool call: GPU tests, the kernel check at real sizes, optionally the benchmark.
-#   STAGE=check bash scripts/gpu_session.sh    tests + scripts/gpu_check_logprobs.py
+# One device-tool call: the GPU test suite, or the benchmark.
+#   STAGE=check bash scripts/gpu_session.sh    the GPU test suite (scripts/gpu_suite.sh)
 #   STAGE=bench bash scripts/gpu_session.sh    the logits benchmark suite (scripts/gpu_bench.sh)
 # Logs land in $OUT (the device tool's fetch folder) when it is set.
 set -uo pipefail
@@ -16,9 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 case "${STAGE:-check}" in
   check)
-    python3 -m pytest tests/kernels tests/ops tests/rl tests/test_dispatch.py -q -x -p no:cacheprovider \
-      2>&1 | tee "$LOG_DIR/pytest_gpu.log" | tail -15
-    python3 scripts/gpu_check_logprobs.py ${CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu_check.log"
+    OUT="$LOG_DIR" bash scripts/gpu_suite.sh
     ;;
   bench)
     bash scripts/gpu_bench.sh

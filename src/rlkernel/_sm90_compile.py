@@ -21,7 +21,7 @@ configuration listed in :func:`launches`. Flags that exist only for the interpre
 
 Must run in a process without ``TRITON_INTERPRET=1`` (the kernels must be ``JITFunction``s):
 ``tests/kernels/test_sm90_compile.py`` starts it as a subprocess. The TMA (tensor-descriptor)
-matmul kernel is not compiled here (its descriptors need the driver); the GPU check covers it.
+matmul kernel is not compiled here (its descriptors need the driver); the GPU tests cover it.
 
 ``--digest`` adds to each line a digest of the PTX with its debug records removed (see
 :func:`ptx_digest`): two builds whose digests agree run the same GPU code, so a refactor

@@ -304,6 +304,7 @@ def test_time_interleaved_queue_ahead_flag_on_cpu_is_plain_timing():
     assert set(out) == {"a", "b"} and all(len(v) == 4 and min(v) >= 0 for v in out.values())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_time_hides_the_host():
     """``gpu_time_ms`` of a call that spends ~0.1 ms on the host before launching one tiny kernel

@@ -70,7 +70,7 @@ def test_full_workload_list():
     gemm = [w for w in ws if w.name == "gemm"]
     assert len(gemm) == len(bi.GEMM_SHAPES) * len(bi.GEMM_M)
     assert any(w.params == {"shape": "N=4096 K=4096 q/o_proj", "tokens": 8192} for w in gemm)
-    assert {w.params["tokens"] for w in gemm} == {1, 8, 64, 8192}
+    assert {w.params["tokens"] for w in gemm} == {1, 8, 64, 256, 2048, 8192}
     assert [w.name for w in ws if w.name.startswith("model")] == [
         "model_prefill",
         "model_decode",

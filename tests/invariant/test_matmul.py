@@ -227,7 +227,7 @@ def test_tma_unavailable_or_failing_falls_back_within_the_class(monkeypatch):
 
 
 def test_tuned_runs_single_on_unverified_gpus(monkeypatch):
-    """The table is one class only where the GPU script showed it: elsewhere "single" runs."""
+    """The table is one class only where the GPU tests showed it: elsewhere "single" runs."""
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(mt, "device_capability", lambda device: (8, 0))  # seam: a fake GPU model
     assert mt.table_for(cuda0, "tuned") == "single"
@@ -237,6 +237,7 @@ def test_tuned_runs_single_on_unverified_gpus(monkeypatch):
     assert mt.table_for(cuda0, "single") == "single"
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_gpu_invariance_across_buckets(monkeypatch):
     """On the GPU, with the default (tuned) table, across every bucket boundary and weight class."""

@@ -79,6 +79,7 @@ def _both(fn):
     return fast, slow
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 17, 64, 300])
 def test_matmul_fast_launch_is_bitwise_tritons(m):
@@ -93,6 +94,7 @@ def test_matmul_fast_launch_is_bitwise_tritons(m):
     assert torch.equal(fast, slow)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_misaligned_operand_gets_its_own_kernel():
     """A view 2 bytes off alignment must not reuse the aligned operand's compiled kernel."""
@@ -110,6 +112,7 @@ def test_misaligned_operand_gets_its_own_kernel():
         torch.testing.assert_close(fast.float(), a.float() @ wt.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_rms_norm_and_attention_fast_launch_are_bitwise_tritons():
     from rlkernel.kernels import attention as ka

@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--n", type=_int_list, help="token counts, e.g. 4096,16384 (default: per suite)")
     parser.add_argument("--v", type=_int_list, help="vocabulary sizes, e.g. 32768,151936")
-    parser.add_argument("--impl", type=_csv_list, help="implementations to run (default: all)")
+    parser.add_argument(
+        "--impl", type=_csv_list, help="implementations to run (default: all but the opt-in variants)"
+    )
     parser.add_argument("--workload", type=_csv_list, help="workload kinds to run (default: all)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument(
@@ -104,7 +106,9 @@ def _list() -> None:
     for name, suite in SUITES.items():
         print(f"{name}: {suite.description}")
         print(f"  workloads:       {', '.join(suite.kinds)}")
-        print(f"  implementations: {', '.join(suite.impls)}")
+        print(f"  implementations: {', '.join(i for i in suite.impls if i not in suite.variants)}")
+        if suite.variants:
+            print(f"  opt-in variants: {', '.join(suite.variants)} (run with --impl)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -180,6 +180,7 @@ class Suite:
     baseline: str
     build: Callable[[Options], list[Workload]]
     bytes_doc: str = ""
+    variants: tuple[str, ...] = ()  # opt-in implementations (rlkernel's switches): run when named
 
 
 # --------------------------------------------------------------------------------------------------
@@ -370,6 +371,17 @@ def select(requested: Sequence[str] | None, valid: tuple[str, ...], what: str, s
     if bad:
         raise BenchError(f"unknown {what} {bad[0]!r} for suite {suite!r}; choose from: {', '.join(valid)}")
     return tuple(r for r in valid if r in requested)
+
+
+def select_impls(
+    requested: Sequence[str] | None, valid: tuple[str, ...], variants: tuple[str, ...], suite: str
+) -> tuple[str, ...]:
+    """The implementations of a run: ``--impl`` validated against ``valid``; without it, all of
+    ``valid`` except the opt-in ``variants`` (rlkernel with one switch changed: an ablation, run
+    when named, kept out of the default run and its README table)."""
+    if requested is None:
+        return tuple(i for i in valid if i not in variants)
+    return select(requested, valid, "implementation", suite)
 
 
 def token_and_vocab_sizes(

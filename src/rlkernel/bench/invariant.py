@@ -4,12 +4,16 @@ Workloads (bf16 on the GPU; ``shape`` and ``tokens`` columns say the size):
 
     gemm            y = x·Wᵀ, x [M, K], W [N, K]: 8192×4096×4096 and Qwen3-8B's layer shapes
                     (q/o_proj 4096×4096, k/v_proj 1024×4096, gate/up_proj 12288×4096, down_proj
-                    4096×12288, lm_head 151936×4096) at M = 8192 (prefill) and M = 1, 8, 64
-                    (decode)
+                    4096×12288, lm_head 151936×4096) at M = 8192 (prefill), M = 1, 8, 64
+                    (decode) and M = 256, 2048 (the table's mid cells)
     gemm_eager      the decode rows (M <= 64) again as isolated eager calls: GPU time plus the
                     host time until the kernel starts (what one eager ``linear`` call costs)
+    gemm_fwd_bwd    training: y = x·Wᵀ and both gradients (dx, dW) at M = 8192 for q/o_proj,
+                    gate/up_proj and lm_head
     rmsnorm         HF Qwen3RMSNorm over [M, 4096], M = 8192 and 32768, against its bandwidth ceiling
+    rmsnorm_fwd_bwd the same, forward + backward (dx, dweight)
     attn_prefill    causal GQA, 32/8 heads, head_dim 128: B=4 × T=2048 and B=1 × T=8192
+    attn_prefill_fwd_bwd  the same, forward + backward (dq, dk, dv)
     attn_decode     one query per sequence against a KV cache of 2048 / 8192, B = 1, 8, 32, 64
     model_prefill   the anchor model (4 × Qwen3 layers, hidden 1024, 16/8 heads, vocab 151936): one
                     prefill forward of 8 × 512 tokens, no grad
@@ -26,6 +30,13 @@ Implementations:
                  HF model with SDPA
     flash_attn   ``flash_attn_func`` / ``flash_attn_with_kvcache`` where flash-attn is importable
 
+Opt-in variants (``--impl``; not in the default run or the README table):
+
+    rlkernel_single     (gemm, gemm_eager) ``rk.use_options(matmul_table="single")``: one
+                        configuration per dtype for every M, the conservative table
+    rlkernel_cublas_bwd (gemm_fwd_bwd) ``rk.use_options(invariant_backward="torch")``: the two
+                        backward GEMMs on cuBLAS instead of the invariant kernel
+
 Timing: the kernel workloads (gemm, rmsnorm, attn_*) are GPU time (``Workload.queue_ahead``: the
 host has issued each call before the GPU reaches it, so rows compare kernels and their ceilings,
 not Python launch paths); gemm_eager and the model workloads are eager calls timed as a caller sees
@@ -35,8 +46,13 @@ time of each op down.
 Bytes and flops (for the roofline columns; E = 2 bytes per bf16 element):
 
     gemm          flops 2·M·N·K; bytes (M·K + N·K + M·N)·E
+    gemm_fwd_bwd  flops 3 · 2·M·N·K (the forward, dx and dW GEMMs)
     rmsnorm       bytes (2·M·H + H)·E: read x and the weight, write y (memory-bound: the ceiling row)
+    rmsnorm_fwd_bwd  bytes (5·M·H + 2·H)·E: the forward, then read x and dy, write dx (+ the weight
+                  and its gradient)
     attn_prefill  flops 2·B·Hq·T²·D (causal: half of the 4·B·Hq·T²·D of QKᵀ and PV)
+    attn_prefill_fwd_bwd  flops 3.5 × the forward's: the backward's 5 GEMMs (QKᵀ recomputed, dV, dP,
+                  dQ, dK) against the forward's 2
     attn_decode   bytes 2·B·Tk·Hkv·D·E: read the cache's K and V once
     model_*       none reported (time ratios only)
 
@@ -68,12 +84,14 @@ from rlkernel.bench.harness import (
     Workload,
     optional_import,
     select,
+    select_impls,
 )
 
-IMPLS = ("rlkernel", "torch", "flash_attn")
+VARIANTS = ("rlkernel_single", "rlkernel_cublas_bwd")
+IMPLS = ("rlkernel", "torch", "flash_attn", *VARIANTS)
 KINDS = (
-    "gemm", "gemm_eager", "rmsnorm", "attn_prefill", "attn_decode",
-    "model_prefill", "model_decode", "model_train",
+    "gemm", "gemm_eager", "gemm_fwd_bwd", "rmsnorm", "rmsnorm_fwd_bwd", "attn_prefill",
+    "attn_prefill_fwd_bwd", "attn_decode", "model_prefill", "model_decode", "model_train",
 )  # fmt: skip
 SEED = 1234
 E = 2  # bytes per bf16 element
@@ -86,8 +104,9 @@ GEMM_SHAPES = (
     (4096, 12288, "down_proj"),
     (151936, 4096, "lm_head"),
 )
-GEMM_M = (8192, 1, 8, 64)
+GEMM_M = (8192, 1, 8, 64, 256, 2048)
 GEMM_M_QUICK = (8192, 1, 64)
+GEMM_FWD_BWD_M = 8192
 RMS_M, RMS_H = (8192, 32768), 4096
 HQ, HKV, D = 32, 8, 128
 PREFILL = ((4, 2048), (1, 8192))  # (B, T)
@@ -115,6 +134,7 @@ class Sizes:
     model_prefill: tuple[int, int]
     model_decode: tuple[int, int]
     model_train: tuple[int, int]
+    gemm_fwd_bwd_m: int
 
 
 def sizes_for(opts: Options) -> Sizes:
@@ -131,6 +151,7 @@ def sizes_for(opts: Options) -> Sizes:
             (b, t),
             (b, t),
             (b, t),
+            SMOKE_M[-1],
         )
     return Sizes(
         GEMM_SHAPES,
@@ -144,6 +165,7 @@ def sizes_for(opts: Options) -> Sizes:
         MODEL_PREFILL,
         MODEL_DECODE,
         MODEL_TRAIN,
+        GEMM_FWD_BWD_M,
     )
 
 
@@ -167,17 +189,62 @@ def _fwd(fn: Callable[[], torch.Tensor]) -> CallResult:
 
 def _gemm_setup(m: int, n: int, k: int):
     def setup(device: torch.device, impls: tuple[str, ...], copies: int) -> Prepared:
+        import rlkernel as rk
         from rlkernel.invariant.matmul import linear
 
         gen = torch.Generator(device=device).manual_seed(SEED)
         dt = _dtype(device)
         xs = [_randn((m, k), device, gen, dt) for _ in range(copies)]
         ws = [_randn((n, k), device, gen, dt, scale=k**-0.5) for _ in range(copies)]
+
+        def single(i: int) -> CallResult:
+            with rk.use_options(matmul_table="single"):
+                return _fwd(lambda: linear(xs[i], ws[i]))
+
         calls: dict[str, Any] = {
             "rlkernel": lambda i: _fwd(lambda: linear(xs[i], ws[i])),
             "torch": lambda i: _fwd(lambda: F.linear(xs[i], ws[i])),
+            "rlkernel_single": single,
         }
-        return Prepared({k_: v for k_, v in calls.items() if k_ in impls}, {"torch": "F.linear (cuBLAS)"})
+        notes = {"torch": "F.linear (cuBLAS)", "rlkernel_single": 'matmul_table="single"'}
+        return Prepared({k_: v for k_, v in calls.items() if k_ in impls}, notes)
+
+    return setup
+
+
+def _grad_call(fn: Callable, leaves: list[tuple[torch.Tensor, ...]], grads_out: list[torch.Tensor],
+               options: dict[str, Any] | None = None, keep: int | None = None):  # fmt: skip
+    """``fn(*leaves[i])`` forward + backward with upstream gradient ``grads_out[i]`` (under
+    ``rk.use_options(**options)``); the result keeps the first ``keep`` input gradients."""
+
+    def call(i: int) -> CallResult:
+        import rlkernel as rk
+
+        with rk.use_options(**(options or {})):
+            out = fn(*leaves[i])
+            grads = torch.autograd.grad(out, leaves[i], grads_out[i])
+        return CallResult((out.detach(),), tuple(grads[:keep]))
+
+    return call
+
+
+def _gemm_fwd_bwd_setup(m: int, n: int, k: int):
+    def setup(device: torch.device, impls: tuple[str, ...], copies: int) -> Prepared:
+        from rlkernel.invariant.matmul import linear
+
+        gen = torch.Generator(device=device).manual_seed(SEED)
+        dt = _dtype(device)
+        xs = [_randn((m, k), device, gen, dt).requires_grad_() for _ in range(copies)]
+        ws = [_randn((n, k), device, gen, dt, scale=k**-0.5).requires_grad_() for _ in range(copies)]
+        leaves = list(zip(xs, ws, strict=True))
+        gys = [_randn((m, n), device, gen, dt) for _ in range(copies)]
+        calls: dict[str, Any] = {
+            "rlkernel": _grad_call(linear, leaves, gys),
+            "torch": _grad_call(F.linear, leaves, gys),
+            "rlkernel_cublas_bwd": _grad_call(linear, leaves, gys, {"invariant_backward": "torch"}),
+        }
+        notes = {"torch": "F.linear + autograd (cuBLAS)", "rlkernel_cublas_bwd": 'invariant_backward="torch"'}
+        return Prepared({k_: v for k_, v in calls.items() if k_ in impls}, notes)
 
     return setup
 
@@ -189,7 +256,7 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(x.dtype)
 
 
-def _rms_setup(m: int, h: int):
+def _rms_setup(m: int, h: int, backward: bool = False):
     def setup(device: torch.device, impls: tuple[str, ...], copies: int) -> Prepared:
         from rlkernel.invariant.rmsnorm import rms_norm
 
@@ -197,13 +264,21 @@ def _rms_setup(m: int, h: int):
         dt = _dtype(device)
         xs = [_randn((m, h), device, gen, dt) for _ in range(copies)]
         w = (1.0 + 0.1 * torch.randn(h, device=device, generator=gen)).to(dt)
-        calls: dict[str, Any] = {
-            "rlkernel": lambda i: _fwd(lambda: rms_norm(xs[i], w, eps=1e-6)),
-            "torch": lambda i: _fwd(lambda: hf_rms_norm(xs[i], w, 1e-6)),
-        }
-        return Prepared(
-            {k: v for k, v in calls.items() if k in impls}, {"torch": "HF Qwen3RMSNorm code, eager"}
-        )
+        if backward:
+            w.requires_grad_()
+            leaves = [(x.requires_grad_(), w) for x in xs]
+            gys = [_randn((m, h), device, gen, dt) for _ in range(copies)]
+            calls: dict[str, Any] = {
+                "rlkernel": _grad_call(lambda x, w_: rms_norm(x, w_, eps=1e-6), leaves, gys),
+                "torch": _grad_call(lambda x, w_: hf_rms_norm(x, w_, 1e-6), leaves, gys),
+            }
+        else:
+            calls = {
+                "rlkernel": lambda i: _fwd(lambda: rms_norm(xs[i], w, eps=1e-6)),
+                "torch": lambda i: _fwd(lambda: hf_rms_norm(xs[i], w, 1e-6)),
+            }
+        note = "HF Qwen3RMSNorm code, eager" + (" + autograd" if backward else "")
+        return Prepared({k: v for k, v in calls.items() if k in impls}, {"torch": note})
 
     return setup
 
@@ -214,7 +289,7 @@ def _flash(device: torch.device) -> tuple[Any, str]:
     return optional_import("flash_attn")
 
 
-def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int]):
+def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int], backward: bool = False):
     hq, hkv, d = heads
 
     def setup(device: torch.device, impls: tuple[str, ...], copies: int) -> Prepared:
@@ -234,6 +309,26 @@ def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int]):
             for xs in (ks, vs)
         )
         causal = tq == tk  # decode: one query attends to the whole cache (no mask needed)
+        if backward:  # dq is cross-checked (SDPA's dk/dv are those of the repeated heads)
+            gos = [_randn((b, tq, hq, d), device, gen, dt) for _ in range(copies)]
+            ours = [tuple(x.requires_grad_() for x in qkv) for qkv in zip(qs, ks, vs, strict=True)]
+            theirs = [tuple(x.requires_grad_() for x in qkv) for qkv in zip(qt, kt, vt, strict=True)]
+
+            def sdpa_fwd(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+            def sdpa_grads(i: int) -> CallResult:
+                out = _grad_call(sdpa_fwd, theirs, gos, keep=1)(i)
+                return CallResult(out.values, (out.grads[0].transpose(1, 2),))
+
+            calls: dict[str, Any] = {
+                "rlkernel": _grad_call(attention, ours, gos, keep=1),
+                "torch": sdpa_grads,
+            }
+            notes = {"torch": "F.scaled_dot_product_attention + autograd, KV heads pre-repeated"}
+            if "flash_attn" in impls:
+                calls["flash_attn"] = Skip("forward only in this suite")
+            return Prepared({k: v for k, v in calls.items() if k in impls}, notes)
 
         def sdpa(i: int) -> CallResult:
             with torch.no_grad():
@@ -371,14 +466,19 @@ def _workload(
 def build(opts: Options) -> list[Workload]:
     """The workloads selected by ``opts``."""
     kinds = select(opts.workloads, KINDS, "workload", "invariant")
-    impls = select(opts.impls, IMPLS, "implementation", "invariant")
+    impls = select_impls(opts.impls, IMPLS, VARIANTS, "invariant")
     if opts.n_tokens or opts.vocab:
         raise BenchError("suite 'invariant' has fixed shapes: --n/--v do not apply (use --workload)")
     sz = sizes_for(opts)
-    two = tuple(i for i in ("rlkernel", "torch") if i in impls)
+
+    def chosen(*applicable: str) -> tuple[str, ...]:
+        return tuple(i for i in applicable if i in impls)
+
+    two = chosen("rlkernel", "torch")
     out: list[Workload] = []
     for kind in ("gemm", "gemm_eager"):
-        if kind not in kinds or not two:
+        gemm_impls = chosen("rlkernel", "torch", "rlkernel_single")
+        if kind not in kinds or not gemm_impls:
             continue
         for m in sz.gemm_m if kind == "gemm" else [m for m in sz.gemm_m if m <= 64]:
             for n, k, label in sz.gemm_shapes:
@@ -389,42 +489,64 @@ def build(opts: Options) -> list[Workload]:
                         f"N={n} K={k} {label}",
                         m,
                         _gemm_setup(m, n, k),
-                        two,
+                        gemm_impls,
                         flops=2 * m * n * k,
                         bytes_moved=(m * k + n * k + m * n) * E,
                         input_bytes=(m * k + n * k) * E,
                         queue_ahead=kind == "gemm",
                     )
                 )
-    if "rmsnorm" in kinds and two:
+    fwd_bwd_impls = chosen("rlkernel", "torch", "rlkernel_cublas_bwd")
+    if "gemm_fwd_bwd" in kinds and fwd_bwd_impls:
+        m = sz.gemm_fwd_bwd_m
+        for n, k, label in sz.gemm_shapes[::2]:
+            out.append(
+                _workload(
+                    "gemm_fwd_bwd",
+                    "fwd+bwd",
+                    f"N={n} K={k} {label}",
+                    m,
+                    _gemm_fwd_bwd_setup(m, n, k),
+                    fwd_bwd_impls,
+                    flops=3 * 2 * m * n * k,
+                    input_bytes=(2 * m * k + n * k + m * n) * E,
+                    queue_ahead=True,
+                )
+            )
+    for kind, backward in (("rmsnorm", False), ("rmsnorm_fwd_bwd", True)):
+        if kind not in kinds or not two:
+            continue
+        reads = 5 if backward else 2  # fwd: read x, write y; bwd: read x and dy, write dx
         for m in sz.rms_m:
             out.append(
                 _workload(
-                    "rmsnorm",
-                    "fwd",
+                    kind,
+                    "fwd+bwd" if backward else "fwd",
                     f"H={sz.rms_h}",
                     m,
-                    _rms_setup(m, sz.rms_h),
+                    _rms_setup(m, sz.rms_h, backward),
                     two,
-                    bytes_moved=(2 * m * sz.rms_h + sz.rms_h) * E,
-                    input_bytes=m * sz.rms_h * E,
+                    bytes_moved=(reads * m * sz.rms_h + (2 if backward else 1) * sz.rms_h) * E,
+                    input_bytes=(2 if backward else 1) * m * sz.rms_h * E,
                     queue_ahead=True,
                 )
             )
     hq, hkv, d = sz.heads
-    attn_impls = tuple(i for i in IMPLS if i in impls)
-    if "attn_prefill" in kinds and attn_impls:
+    attn_impls = chosen("rlkernel", "torch", "flash_attn")
+    for kind, backward in (("attn_prefill", False), ("attn_prefill_fwd_bwd", True)):
+        if kind not in kinds or not attn_impls:
+            continue
         for b, t in sz.prefill:
             out.append(
                 _workload(
-                    "attn_prefill",
-                    "fwd",
+                    kind,
+                    "fwd+bwd" if backward else "fwd",
                     f"B={b} T={t} H={hq}/{hkv} D={d}",
                     b * t,
-                    _attn_setup(b, t, t, sz.heads),
+                    _attn_setup(b, t, t, sz.heads, backward),
                     attn_impls,
-                    flops=2 * b * hq * t * t * d,
-                    input_bytes=b * t * (hq + 2 * hkv) * d * E,
+                    flops=(7 if backward else 2) * b * hq * t * t * d,
+                    input_bytes=b * t * ((2 if backward else 1) * hq + 2 * hkv) * d * E,
                     queue_ahead=True,
                 )
             )
@@ -474,8 +596,10 @@ SUITE = Suite(
     param_columns=("shape", "tokens"),
     baseline="torch",
     build=build,
+    variants=VARIANTS,
     bytes_doc=(
-        "gemm: flops 2MNK, bytes (MK+NK+MN)*2; rmsnorm: bytes (2MH+H)*2; attn_prefill: flops 2*B*Hq*T^2*D "
-        "(causal); attn_decode: bytes 2*B*Tk*Hkv*D*2 (read K and V once); model_*: time only"
+        "gemm: flops 2MNK, bytes (MK+NK+MN)*2; gemm_fwd_bwd: flops 3*2MNK; rmsnorm: bytes (2MH+H)*2, "
+        "fwd+bwd (5MH+2H)*2; attn_prefill: flops 2*B*Hq*T^2*D (causal), fwd+bwd 3.5x that; "
+        "attn_decode: bytes 2*B*Tk*Hkv*D*2 (read K and V once); model_*: time only"
     ),
 )

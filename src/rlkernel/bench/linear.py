@@ -27,6 +27,14 @@ Implementations (same inputs, one process):
                      logits ``[N,H]·[H,V]``, dhidden ``[N,V]·[V,H]``, dweight ``[V,N]·[N,H]`` (the last one
                      not for the frozen workload). The speed target is a ratio to this row.
 
+Opt-in variants (``--impl``; not in the default run or the README table): the ``rlkernel`` call
+with one option of ``rk.use_options`` changed, to show what it buys:
+
+    rlkernel_logits_input  ``linear_logits_dtype="input"``: chunk logits in bf16, as the model's own
+                           LM head gives (less memory and traffic; logp off by up to ~|z|·2⁻⁹)
+    rlkernel_dw_weight     ``linear_dweight_accum="weight"``: dweight accumulated in bf16 across
+                           gradient groups (half the V·H accumulator; not for the frozen workload)
+
 FLOPs: 2·N·H·V per GEMM; 3 GEMMs (2 frozen) are the ``flops`` of a workload, so ``frac_gemm`` is
 the fraction of the square-GEMM rate of :mod:`rlkernel.bench.ceilings`, and the ``ceiling`` row the
 time of those FLOPs at that rate. ``cublas_gemms`` shows what the real shapes reach.
@@ -56,10 +64,16 @@ from rlkernel.bench.harness import (
     Workload,
     optional_import,
     select,
+    select_impls,
     token_and_vocab_sizes,
 )
 
-IMPLS = ("rlkernel", "rlkernel_engine", "torch", "liger", "cublas_gemms")
+VARIANT_OPTIONS = {
+    "rlkernel_logits_input": {"linear_logits_dtype": "input"},
+    "rlkernel_dw_weight": {"linear_dweight_accum": "weight"},
+}
+VARIANTS = tuple(VARIANT_OPTIONS)
+IMPLS = ("rlkernel", "rlkernel_engine", "torch", "liger", "cublas_gemms", *VARIANTS)
 TEMPERATURE = bl.TEMPERATURE
 HIDDEN = 4096
 N_FULL, N_QUICK, N_SMOKE = (8192, 32768, 65536), (8192,), (64,)
@@ -238,7 +252,7 @@ def _setup(kind: Kind, n: int, v: int, opts: Options):
         notes: dict[str, str] = {}
         cfg, spec = bl.resolve_loss("dapo") if kind.loss else (None, None)
 
-        if "rlkernel" in impls:
+        if {"rlkernel", *VARIANTS} & set(impls):
             if kind.loss:
 
                 def rk_fwd(inp):
@@ -266,8 +280,18 @@ def _setup(kind: Kind, n: int, v: int, opts: Options):
                     )
 
                 notes["rlkernel"] = "linear_token_logprobs"
-            calls["rlkernel"] = _bind(kind, inputs, rk_fwd)
             notes["rlkernel"] += f"; validate=True; backend={requested_backend()}"
+            for impl in (i for i in ("rlkernel", *VARIANTS) if i in impls):
+                options = VARIANT_OPTIONS.get(impl, {})
+
+                def fwd(inp, options=options):
+                    with rk.use_options(**options):
+                        return rk_fwd(inp)
+
+                calls[impl] = _bind(kind, inputs, fwd)
+                notes[impl] = notes["rlkernel"] + "".join(f"; {k}={v!r}" for k, v in options.items())
+            if "rlkernel" not in impls:
+                del notes["rlkernel"]
         if "rlkernel_engine" in impls:
             if not kind.loss:
                 calls["rlkernel_engine"] = Skip("the engine is for losses; the primitive is the rlkernel row")
@@ -344,14 +368,16 @@ def _setup(kind: Kind, n: int, v: int, opts: Options):
 
 def _impls_for(kind: Kind) -> tuple[str, ...]:
     if not kind.loss:
-        return ("rlkernel", "torch", "cublas_gemms")
+        return ("rlkernel", "torch", "cublas_gemms", *VARIANTS)
+    if kind.frozen_weight:
+        return tuple(i for i in IMPLS if i != "rlkernel_dw_weight")
     return IMPLS
 
 
 def build(opts: Options) -> list[Workload]:
     """The workloads selected by ``opts`` (kind × N), each with its implementations."""
     kinds = select(opts.workloads, tuple(KINDS), "workload", "linear")
-    impls = select(opts.impls, IMPLS, "implementation", "linear")
+    impls = select_impls(opts.impls, IMPLS, VARIANTS, "linear")
     ns, vs = token_and_vocab_sizes(
         opts, full=N_FULL, quick=N_QUICK, smoke=N_SMOKE, vocab_full=V_FULL, vocab_smoke=V_SMOKE
     )
@@ -388,6 +414,7 @@ SUITE = Suite(
     param_columns=("n_tokens", "hidden", "vocab"),
     baseline="torch",
     build=build,
+    variants=VARIANTS,
     bytes_doc=(
         "compute-bound: flops = (3 or 2 frozen) * 2*N*H*V (logits, dhidden, dweight GEMMs); ceiling = "
         "flops / measured square-GEMM rate; cublas_gemms = those GEMMs at the workload's shapes"

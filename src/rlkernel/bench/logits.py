@@ -16,7 +16,7 @@ Implementations (each timed on the same inputs in one process):
                    baselines) check no token id either, and the default id check costs one host sync
                    per call, which stops the CPU from queuing the next call (measured on an H100:
                    2.82 ms/call without, 4.21 ms/call with it, back to back, before the token-level
-                   fusion). ``scripts/gpu_check_loss.py`` times both settings. DAPO takes the fused
+                   fusion). The opt-in ``rlkernel_validate`` row times the default. DAPO takes the fused
                    token-level path (one launch of loss algebra each way); GSPO the composed one.
     torch          plain PyTorch: ``log_softmax(logits.float() / T).gather(...)``, entropy from the same
                    log-softmax, the RL algebra written out (``plain_policy_loss``)
@@ -31,6 +31,20 @@ Implementations (each timed on the same inputs in one process):
                    tensor, as for the others) and advantages ``[B]``. Liger has no dual clip (rlkernel's
                    DAPO preset has c = 10) and no k3 clamps; neither binds on these inputs (|log r| is
                    ~0.1), which the cross-check columns confirm.
+
+Opt-in variants (``--impl``; not in the default run or the README table): rlkernel's own call with
+one switch changed, timed next to the default ``rlkernel`` row to show what the switch costs.
+
+    rlkernel_inplace   ``inplace_backward=True`` (fwd+bwd workloads): the gradient is written into
+                       the logits' storage, so the peak-memory column shows the saving. The inputs are
+                       overwritten by their gradient on every call (same work), so the row has no
+                       cross-check; ``tests/gpu/test_logprobs.py`` checks it bitwise instead.
+    rlkernel_validate  (losses) ``validate=True``, the default id check: one host sync per call.
+    rlkernel_composed  (DAPO) ``rk.use_options(token_level_fusion=False)``: log-prob primitive +
+                       ``policy_loss`` under autograd, ~100 small launches of loss algebra.
+    rlkernel_2pass     (DAPO) ``grad_in_forward_max_vocab`` above V: the gradient written during the
+    rlkernel_3pass     forward (2 passes over the logits), or 0: the 3-pass path. The default takes the
+                       2-pass path for V <= 65,536 only.
 
 The loss objectives are rlkernel's presets (``dapo`` with ``kl_coef=1e-3, kl_estimator="k3"``, ``gspo``);
 the plain baseline reads its clip bounds, KL coefficient, dual clip and aggregation from the same
@@ -99,10 +113,20 @@ from rlkernel.bench.harness import (
     Suite,
     Workload,
     select,
+    select_impls,
     token_and_vocab_sizes,
 )
 
-IMPLS = ("rlkernel", "torch", "torch.compile", "liger")
+VARIANTS = ("rlkernel_inplace", "rlkernel_validate", "rlkernel_composed", "rlkernel_2pass", "rlkernel_3pass")
+IMPLS = ("rlkernel", "torch", "torch.compile", "liger", *VARIANTS)
+# The variants' keyword arguments of the rlkernel call and their rk.use_options switches.
+VARIANT_CALLS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "rlkernel_inplace": ({"inplace_backward": True}, {}),
+    "rlkernel_validate": ({"validate": True}, {}),
+    "rlkernel_composed": ({}, {"token_level_fusion": False}),
+    "rlkernel_2pass": ({}, {"grad_in_forward_max_vocab": 1 << 62}),
+    "rlkernel_3pass": ({}, {"grad_in_forward_max_vocab": 0}),
+}
 SEQ_LEN = 1024
 SMOKE_SEQ_LEN = 16
 LOGP_NOISE = 0.1
@@ -222,6 +246,16 @@ def _logprob_calls(kind: Kind, inputs: list[dict], impls: tuple[str, ...], opts:
             calls[impl] = _fwd_call(fn, inputs, ent)
         else:
             calls[impl] = _fwd_bwd_call(fn, inputs, ent)
+    if "rlkernel_inplace" in impls:
+        _own_logits(inputs)
+        calls["rlkernel_inplace"] = _inplace_call(
+            lambda x, ids: rk.token_logprobs(
+                x, ids, temperature=TEMPERATURE, return_entropy=ent, inplace_backward=True
+            ),
+            inputs,
+            ent,
+        )
+        notes["rlkernel_inplace"] = INPLACE_NOTE
     if "liger" in impls:
         mod, why = _liger(device)
         if mod is None:
@@ -262,39 +296,78 @@ def _fwd_bwd_call(fn: Callable, inputs: list[dict], ent: bool) -> Callable[[int]
     return call
 
 
+INPLACE_NOTE = "inplace_backward=True on its own copy of the logits, overwritten each call: not cross-checked"
+
+
+def _own_logits(inputs: list[dict]) -> None:
+    """A private copy of each input set's logits for the in-place variant (it overwrites them)."""
+    for inp in inputs:
+        inp["logits_inplace"] = inp["logits"].detach().clone().requires_grad_(True)
+
+
+def _inplace_call(fn: Callable, inputs: list[dict], ent: bool) -> Callable[[int], CallResult]:
+    """fwd+bwd with ``inplace_backward=True`` on the private logits; nothing to cross-check."""
+
+    def call(i: int) -> CallResult:
+        inp = inputs[i % len(inputs)]
+        out = fn(inp["logits_inplace"], inp["ids"])
+        outs = tuple(out) if ent else (out,)
+        torch.autograd.grad(outs, (inp["logits_inplace"],), inp["grad_out"])
+        return CallResult(())
+
+    return call
+
+
 def _loss_calls(kind: Kind, inputs: list[dict], impls: tuple[str, ...], opts: Options, notes: dict):
     cfg, spec = resolve_loss(kind.loss)
     use_ref = bool(spec.kl_coef)
     calls: dict[str, Any] = {}
 
-    def bind(loss_fn: Callable, logits_key: str = "logits", grad_view: Callable | None = None):
+    def bind(loss_fn: Callable, logits_key: str = "logits", grad_view: Callable | None = None, check=True):
         def call(i: int) -> CallResult:
             inp = inputs[i % len(inputs)]
             loss = loss_fn(inp)
             (grad,) = torch.autograd.grad(loss, (inp[logits_key],))
+            if not check:
+                return CallResult(())
             return CallResult((loss.detach(),), (grad_view(grad, inp) if grad_view else grad,))
 
         return call
 
-    if "rlkernel" in impls:
-        import rlkernel as rk
+    import rlkernel as rk
 
-        calls["rlkernel"] = bind(
-            lambda inp: (
-                rk.fused_policy_loss(
+    def rk_loss(logits_key: str = "logits", options: dict | None = None, **kwargs):
+        def loss(inp):
+            with rk.use_options(**(options or {})):
+                return rk.fused_policy_loss(
                     cfg,
                     token_ids=inp["ids"],
                     old_logp=inp["old_logp"],
                     advantages=inp["advantages"],
                     mask=inp["mask"],
-                    logits=inp["logits"],
+                    logits=inp[logits_key],
                     temperature=TEMPERATURE,
                     ref_logp=inp["ref_logp"] if use_ref else None,
-                    validate=False,  # as Liger: no id check (see the module docstring)
+                    **{"validate": False, **kwargs},  # as Liger: no id check (see the module docstring)
                 ).loss
+
+        return loss
+
+    what = f"fused_policy_loss(PolicyLossConfig.preset({LOSSES[kind.loss][0]!r}, ...))"
+    if "rlkernel" in impls:
+        calls["rlkernel"] = bind(rk_loss())
+        notes["rlkernel"] = what
+    for impl in (i for i in VARIANTS if i in impls):
+        kwargs, options = VARIANT_CALLS[impl]
+        if impl == "rlkernel_inplace":
+            _own_logits(inputs)
+            calls[impl] = bind(rk_loss("logits_inplace", options, **kwargs), "logits_inplace", check=False)
+            notes[impl] = INPLACE_NOTE
+        else:
+            calls[impl] = bind(rk_loss("logits", options, **kwargs))
+            notes[impl] = f"{what}, " + ", ".join(
+                [f"{k}={v!r}" for k, v in kwargs.items()] + [f"options {k}={v!r}" for k, v in options.items()]
             )
-        )
-        notes["rlkernel"] = f"fused_policy_loss(PolicyLossConfig.preset({LOSSES[kind.loss][0]!r}, ...))"
 
     def plain(x, ids, old, ref, adv, mask):
         return torch_policy_loss_from_logits(x, ids, old, ref, adv, mask, spec, TEMPERATURE)
@@ -375,15 +448,19 @@ def _setup(kind: Kind, n: int, v: int, opts: Options):
 
 
 def _impls_for(kind_name: str) -> tuple[str, ...]:
-    if kind_name.startswith("logprobs") and kind_name != "logprobs_fwd":
-        return ("rlkernel", "torch", "torch.compile")
+    if kind_name == "logprobs_fwd":
+        return ("rlkernel", "torch", "torch.compile", "liger")
+    if kind_name.startswith("logprobs"):
+        return ("rlkernel", "torch", "torch.compile", "rlkernel_inplace")
+    if kind_name == "gspo_fwd_bwd":  # not eligible for the token-level paths: no fusion switches
+        return ("rlkernel", "torch", "torch.compile", "liger", "rlkernel_inplace", "rlkernel_validate")
     return IMPLS
 
 
 def build(opts: Options) -> list[Workload]:
     """The workloads selected by ``opts`` (kind × N × V), each with its implementations."""
     kinds = select(opts.workloads, tuple(KINDS), "workload", "logits")
-    impls = select(opts.impls, IMPLS, "implementation", "logits")
+    impls = select_impls(opts.impls, IMPLS, VARIANTS, "logits")
     ns, vs = token_and_vocab_sizes(
         opts, full=N_FULL, quick=N_QUICK, smoke=N_SMOKE, vocab_full=V_FULL, vocab_smoke=V_SMOKE
     )
@@ -419,6 +496,7 @@ SUITE = Suite(
     param_columns=("n_tokens", "vocab"),
     baseline="torch",
     build=build,
+    variants=VARIANTS,
     bytes_doc=(
         "fwd: N*V*2 + N*(8+4k); fwd+bwd: 3*N*V*2 (read logits in fwd, read logits + write bf16 grad in "
         "bwd) + per-token tensors twice; ceiling = bytes / measured copy bandwidth"

@@ -1,6 +1,7 @@
 """Timing primitives of the benchmark harness: interleaved per-call CUDA-event timing, GPU time of
 small calls (``queue_ahead``), L2 input rotation, quantiles. :mod:`rlkernel.bench.harness` runs
-workloads with them (and re-exports them); the GPU scripts use :func:`gpu_time_ms` directly.
+workloads with them (and re-exports them); scripts that time one call at a time use
+:func:`gpu_time_ms` directly.
 See the harness module docstring for the method.
 """
 
@@ -28,7 +29,7 @@ def synchronize(device: torch.device) -> None:
 
 
 # ``queue_ahead``: a write of this many bytes is queued before each timed call: ~350 us of GPU work
-# on an H100 that also evicts L2 (as scripts/gpu_check_invariant_ops.py does). It must outlast the
+# on an H100 that also evicts L2. It must outlast the
 # host time of the timed call: eager decode-sized calls took up to ~120 us on the H100 host of
 # 2026-11-21, where 256 MiB (~90 us) still let some of it through (p80 2x the p20). A GPU sleep
 # instead gave 2-4x p20-p80 spreads.
@@ -46,7 +47,7 @@ def _queue_gpu_work(device: torch.device) -> None:
 def gpu_time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int, warmup: int = 3) -> float:
     """Median GPU time in ms of ``fn()`` (CUDA), each rep queued behind the L2-evicting write of
     ``queue_ahead``: the kernels' time, without launch latency or host time. For GPU scripts that
-    time one call at a time (``scripts/gpu_check_invariant_ops.py``, ``gpu_decode_gemm_sweep.py``)."""
+    time one call at a time (``scripts/gpu_decode_gemm_sweep.py``)."""
     for _ in range(warmup):
         fn()
     times = []

@@ -35,7 +35,7 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
   finite inputs keep their bits). The backward treats Q, K and dO the same way.
 * Rows are (query, q-head-of-the-GQA-group) pairs, so a kv head's K/V block is loaded once for its
   whole group; a row's result does not depend on which tile row it occupies (each MMA output element
-  is accumulated by the same instruction sequence). ``scripts/gpu_check_attention.py`` checks this
+  is accumulated by the same instruction sequence). ``tests/gpu/test_attention.py`` checks this
   on the GPU (decode vs prefill vs chunked, batch 1 vs 32, left vs right padding, packed).
 * History: a two-level (split-KV) variant, fixed splits of keys merged in order so that a decode
   step could spread one row over several GPU programs, was tried on 2026-11-21 and removed (it
@@ -56,7 +56,7 @@ Caveats:
       (bf16, Hq 32, Hkv 8, D 128, 2026-11-24, benchmarks/results/
       attention_nonfinite_ab_h100_2026-11-24.log): forward +29 % at B 8 × T 2048, +9 % at
       B 1 × T 8192; forward + backward +4-13 %. Finite inputs keep their bits, and every check of
-      ``scripts/gpu_check_attention.py`` passes.
+      ``tests/gpu/test_attention.py`` passes.
     * Decode at small batch runs one program per (sequence, kv head) over the whole cache: little
       parallelism (B=1, cache 4096: 0.20 ms vs SDPA's 0.07 ms on the H100).
     * The packed form validates ``cu_seqlens`` (and ``max_seqlen_q``) on one host copy of both (one

@@ -60,8 +60,9 @@ from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
 
-# Launch configuration, measured on an H100 80GB (torch 2.11, triton 3.6, 2026-11-21, sweep of
-# scripts/gpu_check_logprobs.py --sweep; bf16, N = 8192, D2D copy 3.02 TB/s):
+# Launch configuration, measured on an H100 80GB (torch 2.11, triton 3.6, 2026-11-21, a sweep of
+# launch configurations, benchmarks/results/gpu_check_logprobs_h100_2026-11-21.log; bf16,
+# N = 8192, D2D copy 3.02 TB/s):
 #   forward, V = 151,936: 2048-value tiles, 4 warps: 0.827 ms without entropy (98% of copy
 #   bandwidth; the best point, 4096/8 warps, was 0.818 ms) and 0.965 ms with entropy at 1 stage
 #   (the per-lane Σp·z accumulator doubles the registers, so deeper pipelines lose occupancy); the

@@ -56,7 +56,7 @@ class MatmulConfig:
     name: str = ""
 
 
-# Candidates (scripts/gpu_check_invariant_ops.py checks and, with --sweep, times them all;
+# Candidates (tests/gpu/test_invariant_ops.py checks the table's on every GPU run;
 # scripts/gpu_decode_gemm_sweep.py sweeps 16-row decode tiles). "decode_k128" and
 # "prefill_tma_s4" (over the H100's shared memory) are measured but kept out of the tables; the
 # mma16* and dec_* 16-row tiles were measured in the bf16 class on the H100, the dec_* ones also in

@@ -39,7 +39,8 @@ the log-softmax kernels stream them at ~3 TB/s (forward 0.8 ms bf16 / ~1.7 ms fp
 ~1.7–2.5 ms). The path is GEMM-bound: the target is the 3 GEMMs (~41 ms) plus a few ms of streaming
 and dweight accumulation. The primitive needs a 4th GEMM because its backward starts only when
 autograd hands it the upstream gradients, when the chunk logits are gone; the fused loss keeps 3.
-``scripts/gpu_check_linear.py`` measures C, G, the logits dtype and the accumulation mode.
+``rlkernel bench linear`` times the logits dtype and the accumulation mode (opt-in ``--impl``
+variants); C and G were swept on an H100 (benchmarks/results/gpu_check_linear_h100_2026-11-24.log).
 
 Chunk rule (row invariance). cuBLAS picks its algorithm from the problem shape and pointer
 alignment, and different algorithms round differently, so a row's logits would change bits with

@@ -27,7 +27,8 @@ Caveats:
       (``_INPLACE_UNDER_COMPILE``). With torch 2.13 on CPU, AOTAutograd does trace the mutation of a
       forward input in backward (``auto_functionalized_v2``, then re-inplaced by Inductor when the
       logits are dead), with correct gradients; older releases are unverified, so it stays off until
-      ``scripts/gpu_check_logprobs.py`` confirms it with the GPU's torch.
+      the GPU test ``tests/gpu/test_logprobs.py::test_inplace_backward_inside_torch_compile``
+      (an expected failure) passes with the GPU's torch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,88 @@
+"""The opt-in variant implementations of the bench suites (rlkernel with one switch changed:
+``rk.use_options(...)`` or a keyword), end to end on CPU (``--smoke``): they run only when named
+with ``--impl``, each gives a measured row on the workloads it applies to, and the rows that can
+be cross-checked agree with the plain-PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from rlkernel.bench import SUITES, cli, harness
+from rlkernel.bench import invariant as bi
+from rlkernel.bench import linear as bli
+from rlkernel.bench import logits as bl
+
+
+def run(tmp_path, suite: str, impls: tuple[str, ...], workloads: tuple[str, ...]) -> list[dict]:
+    argv = [suite, "--smoke", "--rounds", "1", "--no-plot", "--out", str(tmp_path)]
+    assert cli.main([*argv, "--impl", ",".join(impls), "--workload", ",".join(workloads)]) == 0
+    with (tmp_path / f"{suite}.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("suite", ["logits", "linear", "invariant"])
+def test_variants_are_opt_in(suite, capsys):
+    """Without ``--impl`` no workload runs a variant; ``--list`` names them apart."""
+    variants = SUITES[suite].variants
+    assert variants and set(variants) <= set(SUITES[suite].impls)
+    workloads = SUITES[suite].build(harness.Options(device=torch.device("cpu"), smoke=True))
+    assert not {i for w in workloads for i in w.impls} & set(variants)
+    assert cli.main(["--list"]) == 0
+    assert f"opt-in variants: {', '.join(variants)}" in capsys.readouterr().out
+
+
+def test_logits_variants(tmp_path):
+    """Every logits variant where it applies: the in-place backward on the log-prob and loss
+    workloads (no cross-check: it overwrites its inputs), the loss switches on DAPO."""
+    kinds = ("logprobs_fwd_bwd", "dapo_kl_fwd_bwd", "gspo_fwd_bwd")
+    rows = run(tmp_path, "logits", ("torch", *bl.VARIANTS), kinds)
+    got = {(r["workload"], r["impl"]): r for r in rows}
+    expected = {("logprobs_fwd_bwd", "rlkernel_inplace")}
+    expected |= {("dapo_kl_fwd_bwd", v) for v in bl.VARIANTS}
+    expected |= {("gspo_fwd_bwd", v) for v in ("rlkernel_inplace", "rlkernel_validate")}
+    assert {k for k in got if k[1] in bl.VARIANTS} == expected
+    for key in expected:
+        r = got[key]
+        assert r["status"] == "ok" and float(r["median_ms"]) > 0, r
+        if key[1] == "rlkernel_inplace":
+            assert r["max_abs_diff"] == "" and "not cross-checked" in r["notes"]
+        else:
+            assert float(r["max_abs_diff"]) <= 1e-5 and float(r["grad_rel_diff"]) <= 1e-2, r
+    assert "token_level_fusion=False" in got[("dapo_kl_fwd_bwd", "rlkernel_composed")]["notes"]
+
+
+def test_linear_variants(tmp_path):
+    """The chunk-logits dtype and dweight accumulation options on the public call (bf16 logits of
+    the plain-torch reference: loose bounds, as in test_bench_linear.py); no bf16 dweight variant
+    for the frozen weight."""
+    kinds = ("lmhead_logprobs_fwd_bwd", "lmhead_dapo_kl_frozen_fwd_bwd")
+    rows = run(tmp_path, "linear", ("torch", *bli.VARIANTS), kinds)
+    got = {(r["workload"], r["impl"]) for r in rows}
+    assert ("lmhead_logprobs_fwd_bwd", "rlkernel_dw_weight") in got
+    assert ("lmhead_dapo_kl_frozen_fwd_bwd", "rlkernel_logits_input") in got
+    assert ("lmhead_dapo_kl_frozen_fwd_bwd", "rlkernel_dw_weight") not in got
+    for r in rows:
+        if r["impl"] in bli.VARIANTS:
+            assert r["status"] == "ok", r
+            assert float(r["max_abs_diff"]) <= 0.1 and float(r["grad_rel_diff"]) <= 0.1, r
+            assert "linear_" in r["notes"]
+
+
+def test_invariant_variants_and_training_workloads(tmp_path):
+    """The single GEMM table and the cuBLAS backward GEMMs, next to the new fwd+bwd workloads."""
+    kinds = ("gemm", "gemm_fwd_bwd")
+    rows = run(tmp_path, "invariant", ("rlkernel", "torch", *bi.VARIANTS), kinds)
+    got = {(r["workload"], r["impl"]) for r in rows}
+    assert ("gemm", "rlkernel_single") in got and ("gemm_fwd_bwd", "rlkernel_cublas_bwd") in got
+    assert ("gemm", "rlkernel_cublas_bwd") not in got and ("gemm_fwd_bwd", "rlkernel_single") not in got
+    for r in rows:
+        if r["impl"].startswith("rlkernel"):
+            assert r["status"] == "ok", r
+            assert float(r["max_abs_diff"]) <= 1e-5, r  # fp32 on the CPU
+            if r["pass"] == "fwd+bwd":
+                assert float(r["grad_rel_diff"]) <= 1e-4, r
+                assert float(r["tflops"]) > 0
