@@ -175,7 +175,7 @@ def test_warps_and_stages_change_no_bit(make_logits, device):
     for warps, stages in ((base.num_warps, base.num_stages), (4, 1), (8, 2), (32, 4)):
         cfg = K.KernelConfig(base.block_v, warps, stages)
         logp, ent, lse = (torch.empty(S.layout_n, device=device) for _ in range(3))
-        K._token_logprobs_fwd(logits, ids, logp, ent, lse, temperature=1.0, ignore_index=-100, config=cfg)
+        K.token_logprobs_fwd_into(logits, ids, logp, ent, lse, temperature=1.0, ignore_index=-100, config=cfg)
         outs[(warps, stages)] = (logp, ent, lse)
     first = next(iter(outs.values()))
     differ = [k for k, o in outs.items() if not all(torch.equal(a, b) for a, b in zip(o, first, strict=True))]
