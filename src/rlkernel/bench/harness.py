@@ -40,23 +40,32 @@ Caveats:
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import functools
 import gc
-import importlib
-import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import torch
 
+from rlkernel.bench.results import COMMON_HEAD, COMMON_TAIL, columns_for, make_rows, write_results  # noqa: F401
+from rlkernel.bench.suite import (  # noqa: F401 - re-exported: suites, tests and the CLI use them here
+    BenchError,
+    Call,
+    CallResult,
+    Measurement,
+    Options,
+    Prepared,
+    Skip,
+    Suite,
+    Workload,
+    optional_import,
+    select,
+    select_impls,
+    token_and_vocab_sizes,
+)
 from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests and scripts use them here
     QUEUE_AHEAD_BYTES,
     gpu_time_ms,
@@ -65,123 +74,6 @@ from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests a
     synchronize,
     time_interleaved,
 )
-
-
-@functools.cache
-def optional_import(name: str) -> tuple[Any, str]:
-    """``(module, "")``, or ``(None, why)`` when ``name`` cannot be imported: an optional baseline
-    (Liger-Kernel, flash-attn) that is not installed gives skipped rows, not an error. Cached."""
-    try:
-        return importlib.import_module(name), ""
-    except Exception as exc:  # noqa: BLE001 - any import failure means "skip this baseline"
-        return None, f"{name} not importable ({type(exc).__name__}: {exc})"
-
-
-class BenchError(ValueError):
-    """A user error in the bench command line (unknown suite, implementation, workload, size)."""
-
-
-# --------------------------------------------------------------------------------------------------
-# What a suite hands to the harness
-# --------------------------------------------------------------------------------------------------
-
-
-class CallResult(NamedTuple):
-    """What one call of an implementation returns, for the cross-check (dropped when timing)."""
-
-    values: tuple[torch.Tensor, ...]
-    grads: tuple[torch.Tensor, ...] = ()
-
-
-@dataclass(frozen=True)
-class Skip:
-    """An implementation that cannot run for this workload, and why (recorded as a row)."""
-
-    reason: str
-
-
-Call = Callable[[int], CallResult]
-
-
-@dataclass
-class Prepared:
-    """A workload's inputs, bound into one callable per implementation.
-
-    ``calls[impl](i)`` runs the implementation once on input copy ``i % copies``.
-    """
-
-    calls: dict[str, Call | Skip]
-    notes: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Options:
-    """Everything a suite needs to choose and build its workloads."""
-
-    device: torch.device
-    smoke: bool = False
-    quick: bool = False
-    n_tokens: tuple[int, ...] | None = None
-    vocab: tuple[int, ...] | None = None
-    impls: tuple[str, ...] | None = None
-    workloads: tuple[str, ...] | None = None
-    compile_backend: str = "inductor"
-    warmup: int = 1
-    rounds: int = 5
-    reps: int = 3
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One measured configuration of a suite.
-
-    Attributes:
-        name: the workload kind (``dapo_kl_fwd_bwd``); with ``params`` it identifies the row.
-        pass_: ``fwd`` or ``fwd+bwd``.
-        params: suite-specific columns (``n_tokens``, ``vocab`` ...), in column order.
-        bytes_moved: bytes the math must move at least (None: not memory-bound, not reported).
-        flops: floating-point operations the math needs (None: not reported).
-        input_bytes: footprint of one set of inputs (decides L2 rotation).
-        impls: the implementations to run, in display order.
-        reference: the implementation the others are cross-checked against.
-        setup: ``setup(device, impls, copies) -> Prepared``; allocates inputs.
-        queue_ahead: time GPU work only: an L2-evicting 1 GiB write is queued before each call's
-            start event, so the host has issued the call before the GPU reaches it (the launch
-            latency and host time the call costs are hidden; for calls too small to time in
-            isolation, e.g. a decode-shaped GEMM). Default False: an isolated call, what an eager
-            caller pays.
-    """
-
-    name: str
-    pass_: str
-    params: dict[str, Any]
-    bytes_moved: int | None
-    flops: int | None
-    input_bytes: int
-    impls: tuple[str, ...]
-    reference: str | None
-    setup: Callable[[torch.device, tuple[str, ...], int], Prepared]
-    queue_ahead: bool = False
-
-    @property
-    def label(self) -> str:
-        return " ".join([self.name, *(f"{k}={v}" for k, v in self.params.items())])
-
-
-@dataclass(frozen=True)
-class Suite:
-    """A registered benchmark suite (see ``rlkernel.bench.SUITES``)."""
-
-    name: str
-    description: str
-    impls: tuple[str, ...]
-    kinds: tuple[str, ...]
-    param_columns: tuple[str, ...]
-    baseline: str
-    build: Callable[[Options], list[Workload]]
-    bytes_doc: str = ""
-    variants: tuple[str, ...] = ()  # opt-in implementations (rlkernel's switches): run when named
-
 
 # --------------------------------------------------------------------------------------------------
 # Timing and memory
@@ -254,20 +146,6 @@ def _error_status(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------------
 # Running one workload, and a suite
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Measurement:
-    """What the harness learned about one implementation of one workload."""
-
-    impl: str
-    status: str = "ok"
-    samples: list[float] = field(default_factory=list)
-    first_call_s: float | None = None
-    peak_bytes: float | None = None
-    max_abs_diff: float | None = None
-    grad_rel_diff: float | None = None
-    note: str = ""
 
 
 def _time_all(
@@ -351,122 +229,6 @@ def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> l
     return [results[i] for i in workload.impls]
 
 
-COMMON_HEAD = ("suite", "workload", "pass")
-# median/p20/p80 over the timed calls; peak memory above the inputs; achieved rates and fractions of
-# the ceilings of this run; speedup over the suite's baseline (plain torch); the cross-check against
-# the reference implementation; then the environment.
-COMMON_TAIL = tuple(
-    """impl status median_ms p20_ms p80_ms samples first_call_s peak_extra_gb bytes_gb tbps tflops
-    frac_copy_bw frac_gemm speedup_vs_baseline max_abs_diff grad_rel_diff ceiling_copy_tbps
-    ceiling_gemm_tflops device gpu torch cuda triton liger rlkernel python date_utc commit notes""".split()
-)
-
-
-def select(requested: Sequence[str] | None, valid: tuple[str, ...], what: str, suite: str) -> tuple[str, ...]:
-    """``requested`` validated against ``valid`` (BenchError naming the bad entry), in ``valid``'s
-    order; None selects all."""
-    if requested is None:
-        return valid
-    bad = [r for r in requested if r not in valid]
-    if bad:
-        raise BenchError(f"unknown {what} {bad[0]!r} for suite {suite!r}; choose from: {', '.join(valid)}")
-    return tuple(r for r in valid if r in requested)
-
-
-def select_impls(
-    requested: Sequence[str] | None, valid: tuple[str, ...], variants: tuple[str, ...], suite: str
-) -> tuple[str, ...]:
-    """The implementations of a run: ``--impl`` validated against ``valid``; without it, all of
-    ``valid`` except the opt-in ``variants`` (rlkernel with one switch changed: an ablation, run
-    when named, kept out of the default run and its README table)."""
-    if requested is None:
-        return tuple(i for i in valid if i not in variants)
-    return select(requested, valid, "implementation", suite)
-
-
-def token_and_vocab_sizes(
-    opts: Options, *, full: tuple[int, ...], quick: tuple[int, ...], smoke: tuple[int, ...],
-    vocab_full: tuple[int, ...], vocab_smoke: tuple[int, ...],
-) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
-    """The token counts and vocabulary sizes of a run: ``--n`` / ``--v`` if given, else the suite's
-    defaults for ``--smoke`` / ``--quick`` / a full run. Raises BenchError on a size < 1."""
-    ns = opts.n_tokens or (smoke if opts.smoke else quick if opts.quick else full)
-    vs = opts.vocab or (vocab_smoke if opts.smoke else vocab_full)
-    for x in (*ns, *vs):
-        if x < 1:
-            raise BenchError(f"sizes must be positive integers, got {x}")
-    return ns, vs
-
-
-def columns_for(suite: Suite) -> tuple[str, ...]:
-    return COMMON_HEAD + suite.param_columns + COMMON_TAIL
-
-
-def make_rows(
-    suite: Suite, workload: Workload, results: list[Measurement], ceilings: Any, env: dict[str, str]
-) -> list[dict[str, Any]]:
-    """One row per implementation plus the ``ceiling`` row (native Python types; None = empty)."""
-    bw, gemm = ceilings.copy_bytes_per_s, ceilings.gemm_flops_per_s
-    medians = {m.impl: statistics.median(m.samples) for m in results if m.samples}
-    base_ms = medians.get(suite.baseline)
-    common = {"suite": suite.name, "workload": workload.name, "pass": workload.pass_, **workload.params}
-    tail = {"ceiling_copy_tbps": bw / 1e12, "ceiling_gemm_tflops": gemm / 1e12, **env}
-    gb = workload.bytes_moved / 1e9 if workload.bytes_moved is not None else None
-    rows = []
-    for m in results:
-        ms = medians.get(m.impl)
-        sec = ms / 1e3 if ms else None
-        tbps = workload.bytes_moved / sec / 1e12 if sec and workload.bytes_moved is not None else None
-        tflops = workload.flops / sec / 1e12 if sec and workload.flops is not None else None
-        rows.append(
-            {
-                **common,
-                "impl": m.impl,
-                "status": m.status,
-                "median_ms": ms,
-                "p20_ms": quantile(m.samples, 0.2) if m.samples else None,
-                "p80_ms": quantile(m.samples, 0.8) if m.samples else None,
-                "samples": len(m.samples) or None,
-                "first_call_s": m.first_call_s,
-                "peak_extra_gb": m.peak_bytes / 1e9 if m.peak_bytes is not None else None,
-                "bytes_gb": gb,
-                "tbps": tbps,
-                "tflops": tflops,
-                "frac_copy_bw": tbps * 1e12 / bw if tbps is not None else None,
-                "frac_gemm": tflops * 1e12 / gemm if tflops is not None else None,
-                "speedup_vs_baseline": base_ms / ms if base_ms and ms else None,
-                "max_abs_diff": m.max_abs_diff,
-                "grad_rel_diff": m.grad_rel_diff,
-                **tail,
-                "notes": m.note,
-            }
-        )
-    # The roofline: the minimal traffic at the measured copy bandwidth, the math at the GEMM rate.
-    t_bytes = workload.bytes_moved / bw if workload.bytes_moved is not None else 0.0
-    t_flops = workload.flops / gemm if workload.flops is not None else 0.0
-    t = max(t_bytes, t_flops)
-    if t > 0:
-        bound = "copy bandwidth" if t_bytes >= t_flops else "bf16 GEMM rate"
-        rows.append(
-            {
-                **common,
-                "impl": "ceiling",
-                "status": "model",
-                "median_ms": t * 1e3,
-                "bytes_gb": gb,
-                "tbps": workload.bytes_moved / t / 1e12 if workload.bytes_moved is not None else None,
-                "tflops": workload.flops / t / 1e12 if workload.flops is not None else None,
-                "frac_copy_bw": t_bytes / t if workload.bytes_moved is not None else None,
-                "frac_gemm": t_flops / t if workload.flops is not None else None,
-                "speedup_vs_baseline": base_ms / (t * 1e3) if base_ms else None,
-                **tail,
-                "notes": f"bound by the {bound} measured in this run",
-            }
-        )
-    return rows
-
-
-# Environment variables that change what is measured; recorded in the JSON meta.
 ENV_VARS = ("RLKERNEL_BACKEND", "TRITON_INTERPRET", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
 
 
@@ -513,34 +275,3 @@ def run_suite(suite: Suite, opts: Options, *, log: Callable[[str], None] = print
     }
     log(f"done in {meta['wall_s']} s")
     return rows, meta
-
-
-# --------------------------------------------------------------------------------------------------
-# Output
-# --------------------------------------------------------------------------------------------------
-
-
-def _csv_cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
-
-
-def write_results(suite: Suite, rows: list[dict], meta: dict, out_dir: Path) -> tuple[Path, Path]:
-    """``<out>/<suite>.csv`` (one row per workload × impl) and ``<out>/<suite>.json`` (meta + rows)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cols = columns_for(suite)
-    csv_path, json_path = out_dir / f"{suite.name}.csv", out_dir / f"{suite.name}.json"
-    with csv_path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for row in rows:
-            w.writerow({c: _csv_cell(row.get(c)) for c in cols})
-    with json_path.open("w") as f:
-        json.dump({"meta": meta, "columns": list(cols), "rows": rows}, f, indent=1, default=str)
-        f.write("\n")
-    return csv_path, json_path

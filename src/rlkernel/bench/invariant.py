@@ -66,7 +66,6 @@ Caveats:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +73,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlkernel.bench._invariant_models import model_setup
 from rlkernel.bench.harness import (
     BenchError,
     CallResult,
@@ -86,6 +86,7 @@ from rlkernel.bench.harness import (
     select,
     select_impls,
 )
+from rlkernel.bench.suite import bench_dtype
 
 VARIANTS = ("rlkernel_single", "rlkernel_cublas_bwd")
 IMPLS = ("rlkernel", "torch", "flash_attn", *VARIANTS)
@@ -169,8 +170,6 @@ def sizes_for(opts: Options) -> Sizes:
     )
 
 
-def _dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _randn(shape, device, gen, dtype, scale=1.0) -> torch.Tensor:
@@ -193,7 +192,7 @@ def _gemm_setup(m: int, n: int, k: int):
         from rlkernel.invariant.matmul import linear
 
         gen = torch.Generator(device=device).manual_seed(SEED)
-        dt = _dtype(device)
+        dt = bench_dtype(device)
         xs = [_randn((m, k), device, gen, dt) for _ in range(copies)]
         ws = [_randn((n, k), device, gen, dt, scale=k**-0.5) for _ in range(copies)]
 
@@ -233,7 +232,7 @@ def _gemm_fwd_bwd_setup(m: int, n: int, k: int):
         from rlkernel.invariant.matmul import linear
 
         gen = torch.Generator(device=device).manual_seed(SEED)
-        dt = _dtype(device)
+        dt = bench_dtype(device)
         xs = [_randn((m, k), device, gen, dt).requires_grad_() for _ in range(copies)]
         ws = [_randn((n, k), device, gen, dt, scale=k**-0.5).requires_grad_() for _ in range(copies)]
         leaves = list(zip(xs, ws, strict=True))
@@ -261,7 +260,7 @@ def _rms_setup(m: int, h: int, backward: bool = False):
         from rlkernel.invariant.rmsnorm import rms_norm
 
         gen = torch.Generator(device=device).manual_seed(SEED)
-        dt = _dtype(device)
+        dt = bench_dtype(device)
         xs = [_randn((m, h), device, gen, dt) for _ in range(copies)]
         w = (1.0 + 0.1 * torch.randn(h, device=device, generator=gen)).to(dt)
         if backward:
@@ -296,7 +295,7 @@ def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int], backward:
         from rlkernel.invariant.attention import attention
 
         gen = torch.Generator(device=device).manual_seed(SEED)
-        dt = _dtype(device)
+        dt = bench_dtype(device)
         qs = [_randn((b, tq, hq, d), device, gen, dt) for _ in range(copies)]
         ks = [_randn((b, tk, hkv, d), device, gen, dt) for _ in range(copies)]
         vs = [_randn((b, tk, hkv, d), device, gen, dt) for _ in range(copies)]
@@ -352,92 +351,6 @@ def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int], backward:
         return Prepared({k: v for k, v in calls.items() if k in impls}, notes)
 
     return setup
-
-
-# --------------------------------------------------------------------------------------------------
-# The whole model: patched vs unpatched
-# --------------------------------------------------------------------------------------------------
-
-
-def _models(config: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(unpatched, patched): two copies of one random-weight model."""
-    from rlkernel.invariant.consistency import build_model
-    from rlkernel.invariant.patch import patch_hf_model
-
-    base = build_model(config, device=device, dtype=_dtype(device), seed=SEED)
-    return base, patch_hf_model(copy.deepcopy(base))
-
-
-def _model_setup(kind: str, config: str, b: int, t: int):
-    def setup(device: torch.device, impls: tuple[str, ...], copies: int) -> Prepared:
-        base, patched = _models(config, device)
-        models = {"torch": base, "rlkernel": patched}
-        vocab = base.config.vocab_size
-        gen = torch.Generator(device=device).manual_seed(SEED)
-        ids = torch.randint(1, vocab, (b, t), device=device, generator=gen)
-        # One next token / one upstream gradient, shared by both models (the cross-check compares them).
-        tok = torch.randint(1, vocab, (b, 1), device=device, generator=gen)
-        grad = (
-            torch.randn((b, t, vocab), device=device, generator=gen).to(_dtype(device))
-            if kind == "model_train"
-            else None
-        )
-        calls: dict[str, Any] = {}
-        for impl, model in models.items():
-            if impl not in impls:
-                continue
-            if kind == "model_prefill":
-                calls[impl] = _prefill_call(model, ids)
-            elif kind == "model_decode":
-                calls[impl] = _decode_call(model, ids, tok)
-            else:
-                calls[impl] = _train_call(model, ids, grad)
-        notes = {"torch": "HF model, SDPA", "rlkernel": "HF model after rlkernel.invariant.patch_hf_model"}
-        if "flash_attn" in impls:
-            calls["flash_attn"] = Skip("model workloads compare patched vs unpatched only")
-        return Prepared(calls, notes)
-
-    return setup
-
-
-def _prefill_call(model, ids):
-    def call(i: int) -> CallResult:
-        with torch.no_grad():
-            return CallResult((model(input_ids=ids, use_cache=False).logits[:, -1],))
-
-    return call
-
-
-def _decode_call(model, ids, tok):
-    """One decode step against a cache primed with ``ids``; the cache is cropped back after each call."""
-    from transformers import DynamicCache
-
-    b, t = ids.shape
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-    pos = torch.full((b, 1), t, device=ids.device, dtype=torch.long)
-
-    def call(i: int) -> CallResult:
-        with torch.no_grad():
-            out = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
-        cache.crop(-1)  # drop this step's entry: every call decodes against the same t entries
-        if cache.get_seq_length() != t:
-            raise RuntimeError(f"DynamicCache.crop(-1) left {cache.get_seq_length()} entries, expected {t}")
-        return CallResult((out,))
-
-    return call
-
-
-def _train_call(model, ids, grad):
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def call(i: int) -> CallResult:
-        logits = model(input_ids=ids, use_cache=False).logits
-        grads = torch.autograd.grad(logits, params, grad)
-        return CallResult((logits.detach()[:, -1],), (grads[-1],))  # the LM head's gradient
-
-    return call
 
 
 # --------------------------------------------------------------------------------------------------
@@ -580,7 +493,7 @@ def build(opts: Options) -> list[Workload]:
                     pass_,
                     shape,
                     tokens,
-                    _model_setup(kind, sz.model_config, b, t),
+                    model_setup(kind, sz.model_config, b, t, SEED),
                     two,
                     input_bytes=1 << 40,
                 )

@@ -62,19 +62,22 @@ class LossBatch:
         return tuple(self.advantages.shape) != self.token_shape
 
 
-def segments_for(shape: torch.Size, device: torch.device, cu_seqlens: object, what: str) -> Segments:
-    """Padded ``[B, T]`` (no ``cu_seqlens``) or packed ``[N]`` (with them) segments of a per-token
-    tensor of ``shape``; ``what`` describes it in errors."""
+def segments_for(like: torch.Tensor, cu_seqlens: object) -> Segments:
+    """Padded ``[B, T]`` (no ``cu_seqlens``) or packed ``[N]`` (with them) segments of the
+    per-token tensor ``like``."""
+    shape = like.shape
     if len(shape) == 2:
         if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {what}")
+            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {check.describe(like)}")
         return Segments.padded(shape)
     if len(shape) == 1:
         if cu_seqlens is None:
-            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {what}")
+            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {check.describe(like)}")
         cu = check.cu_seqlens_tensor("cu_seqlens", cu_seqlens, shape[0])
-        return Segments.packed(cu, shape[0], device)
-    raise ValueError(f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {what}")
+        return Segments.packed(cu, shape[0], like.device)
+    raise ValueError(
+        f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {check.describe(like)}"
+    )
 
 
 def validate_batch(
@@ -111,7 +114,7 @@ def validate_batch(
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     device = like.device
-    seg = segments_for(like.shape, device, cu_seqlens, check.describe(like))
+    seg = segments_for(like, cu_seqlens)
     check.float_like("old_logp", old_logp, like_name, like)
     mask = check.mask_tensor("mask", mask)
     check.same_shape("mask", mask, like_name, like.shape)
