@@ -1,64 +1,110 @@
-"""Host time of one fused_policy_loss DAPO+KL fwd+bwd call at small sizes (GPU time tiny), for the
-src tree on sys.path[0]. Prints per-call host ms (no sync inside the timed loop except validate)."""
-import sys, time, statistics
+"""Host time of one ``fused_policy_loss`` fwd+bwd call (DAPO + k3 KL, GSPO), on a CUDA machine.
+
+    PYTHONPATH=src python3 scripts/profile_fused_host_time.py head            # the timings
+    PYTHONPATH=src python3 scripts/profile_fused_host_time.py head --profile  # + cProfile, tiny size
+    PYTHONPATH=old/src python3 scripts/profile_fused_host_time.py base        # an A/B: another tree
+
+Per size and ``validate``: the median host time of a call (``perf_counter`` around the call, the
+queue drained before each), and the time per call of back-to-back calls. At small sizes the GPU
+work is tiny, so the first number is the Python/launch cost of the call. The logits are a view
+``logits[:, :-1]`` of a ``[B, T + 1, V]`` bf16 tensor, as a trainer slices them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import pstats
+import statistics
+import time
+
 import torch
+
 import rlkernel as rk
 
-dev = "cuda"
-def run(n_b, n_t, v, validate, cfg_name, iters=300):
-    g = torch.Generator(device="cpu").manual_seed(0)
-    logits = torch.randn(n_b, n_t + 1, v, generator=g).to(dev, torch.bfloat16).requires_grad_(True)
-    ids = torch.randint(0, v, (n_b, n_t), generator=g).to(dev)
-    mask = (torch.rand(n_b, n_t, generator=g) > 0.1).to(dev)
-    old = (-torch.rand(n_b, n_t, generator=g)).to(dev)
-    ref = (-torch.rand(n_b, n_t, generator=g)).to(dev)
-    adv = torch.randn(n_b, generator=g).to(dev)
-    cfg = rk.PolicyLossConfig.preset(cfg_name)
-    if cfg_name == "dapo":
-        import dataclasses
+DEV = "cuda"
+
+
+def _inputs(b: int, t: int, v: int):
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        logits=torch.randn(b, t + 1, v, generator=g).to(DEV, torch.bfloat16).requires_grad_(True),
+        ids=torch.randint(0, v, (b, t), generator=g).to(DEV),
+        mask=(torch.rand(b, t, generator=g) > 0.1).to(DEV),
+        old=(-torch.rand(b, t, generator=g)).to(DEV),
+        ref=(-torch.rand(b, t, generator=g)).to(DEV),
+        adv=torch.randn(b, generator=g).to(DEV),
+    )
+
+
+def _step_fn(preset: str, x: dict, validate: bool):
+    cfg = rk.PolicyLossConfig.preset(preset)
+    if preset == "dapo":
         cfg = dataclasses.replace(cfg, kl_coef=1e-3, kl_estimator="k3")
+
     def step():
-        lg = logits[:, :-1]
-        out = rk.fused_policy_loss(cfg, logits=lg, token_ids=ids, old_logp=old, advantages=adv, mask=mask,
-                                   ref_logp=ref, validate=validate)
+        out = rk.fused_policy_loss(
+            cfg,
+            logits=x["logits"][:, :-1],
+            token_ids=x["ids"],
+            old_logp=x["old"],
+            advantages=x["adv"],
+            mask=x["mask"],
+            ref_logp=x["ref"],
+            validate=validate,
+        )
         out.loss.backward()
+
+    return step
+
+
+def time_call(step, iters: int = 300) -> tuple[float, float]:
+    """(median host ms of an isolated call, ms per call back to back)."""
     for _ in range(20):
         step()
     torch.cuda.synchronize()
     host = []
     for _ in range(iters):
-        t0 = time.perf_counter(); step(); host.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-    torch.cuda.synchronize(); t0 = time.perf_counter()
+    t0 = time.perf_counter()
     for _ in range(iters):
         step()
-    torch.cuda.synchronize(); pipelined = (time.perf_counter() - t0) / iters
-    return statistics.median(host) * 1e3, pipelined * 1e3
-
-for cfg_name in ("dapo", "gspo"):
-    for validate in (True, False):
-        for (b, t, v) in ((4, 64, 1024), (4, 1024, 151936)):
-            h, p = run(b, t, v, validate, cfg_name)
-            print(f"{sys.argv[1]:5s} {cfg_name} validate={validate!s:5s} N={b*t:5d} V={v:6d}: host {h:6.3f} ms/call, back-to-back {p:6.3f} ms/call", flush=True)
-
-if len(sys.argv) > 2 and sys.argv[2] == "profile":
-    import cProfile, pstats, io
-    g = torch.Generator(device="cpu").manual_seed(0)
-    b, t, v = 4, 64, 1024
-    logits = torch.randn(b, t + 1, v, generator=g).to(dev, torch.bfloat16).requires_grad_(True)
-    ids = torch.randint(0, v, (b, t), generator=g).to(dev)
-    mask = (torch.rand(b, t, generator=g) > 0.1).to(dev)
-    old = (-torch.rand(b, t, generator=g)).to(dev); ref = (-torch.rand(b, t, generator=g)).to(dev)
-    adv = torch.randn(b, generator=g).to(dev)
-    import dataclasses
-    cfg = dataclasses.replace(rk.PolicyLossConfig.preset("dapo"), kl_coef=1e-3, kl_estimator="k3")
-    def step():
-        out = rk.fused_policy_loss(cfg, logits=logits[:, :-1], token_ids=ids, old_logp=old, advantages=adv,
-                                   mask=mask, ref_logp=ref, validate=False)
-        out.loss.backward()
-    for _ in range(20): step()
     torch.cuda.synchronize()
-    pr = cProfile.Profile(); pr.enable()
-    for _ in range(200): step()
-    pr.disable(); torch.cuda.synchronize()
-    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30); print(s.getvalue()[:6000])
+    return statistics.median(host) * 1e3, (time.perf_counter() - t0) / iters * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("label", help="a name for this tree in the output (e.g. base, head)")
+    parser.add_argument("--profile", action="store_true", help="also cProfile 200 tiny DAPO calls")
+    args = parser.parse_args()
+    for preset in ("dapo", "gspo"):
+        for validate in (True, False):
+            for b, t, v in ((4, 64, 1024), (4, 1024, 151936)):
+                host, piped = time_call(_step_fn(preset, _inputs(b, t, v), validate))
+                print(
+                    f"{args.label:5s} {preset} validate={validate!s:5s} N={b * t:5d} V={v:6d}: "
+                    f"host {host:6.3f} ms/call, back-to-back {piped:6.3f} ms/call",
+                    flush=True,
+                )
+    if args.profile:
+        step = _step_fn("dapo", _inputs(4, 64, 1024), validate=False)
+        time_call(step, iters=20)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
