@@ -37,10 +37,8 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
   whole group; a row's result does not depend on which tile row it occupies (each MMA output element
   is accumulated by the same instruction sequence). ``tests/gpu/test_attention.py`` checks this
   on the GPU (decode vs prefill vs chunked, batch 1 vs 32, left vs right padding, packed).
-* History: a two-level (split-KV) variant, fixed splits of keys merged in order so that a decode
-  step could spread one row over several GPU programs, was tried on 2026-11-21 and removed (it
-  failed the H100 "HF adapter decode vs prefill" bitwise check and gained almost nothing): see
-  benchmarks/NOTES.md.
+* One program per row over all its keys, not split-KV: a variant with fixed key splits merged in
+  order broke decode == prefill bitwise on the H100 and gained almost nothing (benchmarks/NOTES.md).
 
 Backward (training): FlashAttention-2 style, deterministic, not required to be batch-invariant:
 delta = rowsum(dO·O); one program per key block computes dK, dV looping over the GQA group's q heads

@@ -40,11 +40,9 @@ helpers (sequence bounds, strides, operand handling); it recomputes P from the s
 Memory traffic (forward, bf16, B·T tokens, causal): Q and O once, K/V once per query tile per group;
 FLOPs 2·2·B·Hq·T²·D/2. Decode reads the whole K/V cache once per (sequence, kv head).
 
-History: a two-level (split-KV) variant, splits of keys merged in order so that a decode step could
-spread one row over several programs, was tried on 2026-11-21 and removed: it failed the H100
-"HF adapter decode vs prefill" bitwise check and gained almost nothing (see benchmarks/NOTES.md and
-benchmarks/results/gpu_check_attention_h100_2026-11-21_split.log). The one-level loop here is the
-path verified on the H100 (gpu_check_attention_h100_2026-11-21_final.log).
+Why one level (one program per row over all its keys): a split-KV variant, splits merged in a fixed
+order to spread a decode row over several programs, broke decode == prefill bitwise on the H100 and
+gained almost nothing (benchmarks/NOTES.md, 2026-11-21).
 
 Provenance: FlashAttention-2 (Dao 2023) and the Triton fused-attention tutorial, written anew here
 with the key-block anchoring, the single masked loop and the fixed configuration that invariance

@@ -9,9 +9,10 @@ Two autograd Functions share one chunk engine (:class:`_Engine`, in :mod:`rlkern
                                    chunk's logits are live (``coef_fn``): the gradient is computed in
                                    the forward pass (3 GEMMs in all); backward only scales it.
 
-This module keeps the tunables (module globals, read at call time so that callers and tests can
-change them), the chunk-size rules that read them, the final dweight cast, both Functions and their
-entry points; :mod:`rlkernel.ops._linear_engine` holds the chunk loop state and its helpers.
+This module keeps the final dweight cast, both Functions and their entry points, which read the
+options (``linear_chunk_bytes``, ``linear_grad_bytes``, ``linear_logits_dtype``,
+``linear_dweight_accum``) once per call into an ``EngineSettings``;
+:mod:`rlkernel.ops._linear_engine` holds the chunk rules, the chunk loop state and its helpers.
 
 Rows go in *groups* of ``G`` rows, each group in *chunks* of ``C`` rows (G a multiple of C). The
 group's hidden rows are staged into a fixed ``[G, H]`` buffer; then, per chunk:

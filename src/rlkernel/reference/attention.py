@@ -12,7 +12,7 @@ computed exactly as the Triton kernel orders it, a one-level online softmax over
     t = c·(q·k)  (−inf for keys > p),   m' = max(m, max_j t_j),   α = 2^(m − m'),   P = 2^(t − m')
     l' = α·l + Σ_j P_j,   acc' = α·acc + Σ_j P_j·v_j,      out = acc / l,   lse2 = m + log2 l
 
-(A two-level split-KV variant was tried on 2026-11-21 and removed: see benchmarks/NOTES.md.)
+(One level, as the kernel: see its module docstring for why not split-KV.)
 
 Batch invariance (what makes this usable as the CPU path of a model whose decode must equal its
 prefill bit for bit): every quantity of a query row is computed by elementwise torch ops on that row
