@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlkernel import _validate as check
+from rlkernel.ops.checks import check_linear_inputs
 
 # ------------------------------------------------------------------------------- descriptor layout
 _FIELDS = (
@@ -113,30 +114,7 @@ def collective_device(group: object, data: object) -> torch.device:
 # -------------------------------------------------------------------------------- local checks
 def _local_checks(hidden, weight, bias, token_ids, temperature, ignore_index, chunk_rows) -> torch.Tensor:
     """The checks of ``linear_token_logprobs`` (and a non-empty shard); returns the int ids."""
-    check.float_tensor("hidden", hidden, min_dim=1)
-    check.float_tensor("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight (this rank's vocabulary shard) must be [V_r, H] with H = hidden.shape[-1] = "
-            f"{hidden.shape[-1]}, got {check.describe(weight)}"
-        )
-    if weight.shape[0] < 1:
-        raise ValueError(
-            "weight must have at least one vocabulary row (every tensor-parallel rank must own a "
-            f"non-empty shard), got {check.describe(weight)}"
-        )
-    check.same_device("weight", weight, "hidden", hidden.device)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    if bias is not None:
-        check.float_tensor("bias", bias)
-        check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
-        check.same_device("bias", bias, "hidden", hidden.device)
-    ids = check.int_tensor("token_ids", token_ids)
-    check.same_shape("token_ids", ids, "hidden.shape[:-1]", hidden.shape[:-1])
-    check.same_device("token_ids", ids, "hidden", hidden.device)
-    check.positive_float("temperature", temperature)
-    check.integer("ignore_index", ignore_index)
+    ids = check_linear_inputs(hidden, weight, token_ids, bias, temperature, ignore_index, shard=True)
     if chunk_rows is not None:
         check.positive_int("chunk_rows", chunk_rows)
     return ids

@@ -12,6 +12,7 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.reference import logprobs as ref
 
 
@@ -26,19 +27,6 @@ def _triton_token_logprobs():
 def _linear_kernel_available(dtype: torch.dtype) -> bool:
     """Whether the GPU linear path handles ``dtype``: fp16, bf16 and fp32 (fp64 has no kernel)."""
     return dtype != torch.float64
-
-
-def check_common(
-    name: str, x: torch.Tensor, token_ids: object, temperature: float, ignore_index: int
-) -> torch.Tensor:
-    """The checks both primitives make of ``token_ids`` (int, the leading shape and device of
-    ``x``), ``temperature`` and ``ignore_index``; returns the ids."""
-    ids = check.int_tensor("token_ids", token_ids)
-    check.same_shape("token_ids", ids, f"{name}.shape[:-1]", x.shape[:-1])
-    check.same_device("token_ids", ids, name, x.device)
-    check.positive_float("temperature", temperature)
-    check.integer("ignore_index", ignore_index)
-    return ids
 
 
 @without_autocast
@@ -132,34 +120,6 @@ def token_logprobs_checked(
     return ref.token_logprobs(
         logits, ids, temperature=temperature, ignore_index=ignore_index, return_entropy=return_entropy
     )
-
-
-def check_linear_inputs(
-    hidden: object,
-    weight: object,
-    token_ids: object,
-    bias: object,
-    temperature: float,
-    ignore_index: int,
-) -> torch.Tensor:
-    """The checks of :func:`linear_token_logprobs` (all but the id range); returns the int ids."""
-    check.float_tensor("hidden", hidden, min_dim=1)
-    check.float_tensor("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
-            f"got {check.describe(weight)}"
-        )
-    if weight.shape[0] < 1:
-        raise ValueError(f"weight must have at least one vocabulary row, got {check.describe(weight)}")
-    check.same_device("weight", weight, "hidden", hidden.device)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    if bias is not None:
-        check.float_tensor("bias", bias)
-        check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
-        check.same_device("bias", bias, "hidden", hidden.device)
-    return check_common("hidden", hidden, token_ids, temperature, ignore_index)
 
 
 @without_autocast

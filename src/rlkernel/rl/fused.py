@@ -47,9 +47,8 @@ from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import Options, current_options
+from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
-    check_common,
-    check_linear_inputs,
     linear_token_logprobs,
     linear_token_logprobs_checked,
     token_logprobs_checked,
