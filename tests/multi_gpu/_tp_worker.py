@@ -41,6 +41,7 @@ import torch.distributed as dist
 import rlkernel as rk
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
 from rlkernel.reference import logprobs as ref
+from rlkernel.rl.config import PRESETS
 
 COLLECTIVE_TIMEOUT_S = 120
 FULL = dict(n=8192, hidden=4096, vocab=151936, split=(76000, 75936), batch=16)
@@ -150,8 +151,9 @@ def tp_vs_unsharded(ctx: Ctx, tp_gemm: str, tp_elementwise: str) -> None:
 
 
 def fused(ctx: Ctx, preset: str) -> None:
-    """``fused_policy_loss(hidden=, weight=shard, tp_group=)`` (entropy bonus 1e-3, ~20 % masked,
-    one sequence fully masked) against the unsharded loss on the reference backend."""
+    """``fused_policy_loss(hidden=, weight=shard, tp_group=)`` for a preset (entropy bonus 1e-3, its
+    own KL coefficient with ``ref_logp``, ~20 % masked, one sequence fully masked) against the
+    unsharded loss on the reference backend."""
     hidden, weight, ids = inputs(ctx)
     batch, width = ctx.batch, ctx.n // ctx.batch
     gen = torch.Generator(device=ctx.device).manual_seed(11)
@@ -162,11 +164,12 @@ def fused(ctx: Ctx, preset: str) -> None:
     with torch.no_grad():
         base = ref.linear_token_logprobs(hidden.view(batch, width, -1), weight, ids2.clamp_min(0))
     old = base + 0.05 * torch.randn(batch, width, device=ctx.device, generator=gen)
+    ref_logp = base + 0.05 * torch.randn(batch, width, device=ctx.device, generator=gen)
     adv = torch.randn(batch, device=ctx.device, generator=gen)
-    for t in (old, adv):
+    for t in (old, ref_logp, adv):
         dist.broadcast(t, src=0, group=ctx.group)
     cfg = rk.PolicyLossConfig.preset(preset, entropy_coef=0.001)
-    kw = dict(token_ids=ids2, old_logp=old, advantages=adv, mask=mask)
+    kw = dict(token_ids=ids2, old_logp=old, advantages=adv, mask=mask, ref_logp=ref_logp)
     h = hidden.view(batch, width, -1).clone().requires_grad_(True)
     w = weight[ctx.rows].clone().requires_grad_(True)
     out = rk.fused_policy_loss(cfg, hidden=h, weight=w, tp_group=ctx.group, validate=False, **kw)
@@ -293,8 +296,8 @@ def checks(smoke: bool) -> dict[str, Callable[[Ctx], None]]:
         out[f"tp_vs_unsharded[gemm={gemm},elementwise={ew}]"] = lambda ctx, g=gemm, e=ew: tp_vs_unsharded(
             ctx, g, e
         )
-    out["fused_dapo_vs_unsharded"] = lambda ctx: fused(ctx, "dapo")
-    out["fused_gspo_vs_unsharded"] = lambda ctx: fused(ctx, "gspo")
+    for preset in PRESETS:  # every loss type: token-level (fused engine) and sequence-level (composed)
+        out[f"fused_{preset}_vs_unsharded"] = lambda ctx, p=preset: fused(ctx, p)
     out["error_path_every_rank_raises"] = check_error_path
     out["global_normalizers"] = check_global_normalizers
     out["timing_tp_vs_single_gpu"] = check_timing_tp_vs_single_gpu
