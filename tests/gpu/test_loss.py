@@ -182,3 +182,44 @@ def test_fused_loss_launches_far_fewer_kernels_than_composed(inputs):
     assert 0 < counts[True] and counts[True] * 4 <= counts[False], (
         f"fused {counts[True]}, composed {counts[False]}"
     )
+
+
+@real_size_only
+@pytest.mark.parametrize("route", ["3pass", "2pass", "inplace"])
+def test_sliced_logits_backward_holds_one_base_sized_buffer(inputs, route):
+    """The trainer's call: the logits are ``out[:, P - 1 : -1]`` of a ``[B, P + T, V]`` model output
+    (P = 64) that requires grad. DAPO + KL forward + backward, ``validate=False``: the base's
+    gradient is written directly, so the peak beyond the inputs is at most one base-sized bf16
+    buffer plus 64 B/token (none in place), where autograd's slice backward would hold a zero-filled
+    base plus the window's gradient; the base's gradient is bitwise the one through a contiguous
+    copy of the view, exactly zero outside the window."""
+    cfg = dapo_kl()
+    b, t, vocab = inputs.logits.shape
+    p = 64
+    base = torch.empty(b, p + t, vocab, device=DEVICE, dtype=torch.bfloat16)
+    base.normal_(generator=generator(5)).mul_(2)
+    base[:, p - 1 : -1].copy_(inputs.logits.detach())
+    options = dict(grad_in_forward_max_vocab=1 << 30 if route == "2pass" else 0)
+    leaf = base.clone().requires_grad_(True)
+    run_loss(cfg, inputs, logits=leaf[:, p - 1 : -1], validate=False, **options)  # warm up, no backward
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = run_loss(
+        cfg, inputs, logits=leaf[:, p - 1 : -1], validate=False, inplace=route == "inplace", **options
+    )
+    out.loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before - (0 if route == "inplace" else leaf.numel() * 2)
+    assert peak <= 64 * b * t, (
+        f"{peak / 2**20:.0f} MiB beyond {'nothing' if route == 'inplace' else 'one base'}"
+    )
+    want_leaf = base.clone().requires_grad_(True)
+    want = run_loss(cfg, inputs, logits=want_leaf[:, p - 1 : -1].contiguous(), validate=False, **options)
+    want.loss.backward()
+    assert torch.equal(out.loss, want.loss)
+    if route != "inplace":  # in place, the base itself became the gradient: compare the same bits
+        assert torch.equal(leaf.grad, want_leaf.grad)
+    else:
+        assert torch.equal(leaf.grad, want_leaf.grad) and leaf.grad.data_ptr() == leaf.data_ptr()
+    assert bool((leaf.grad[:, : p - 1] == 0).all()) and bool((leaf.grad[:, -1] == 0).all())

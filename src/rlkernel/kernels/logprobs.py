@@ -413,8 +413,9 @@ def token_logprobs_bwd_into(
     grad_scale: torch.Tensor | None = None,
 ) -> None:
     """Out-variant backward: fills ``grad_logits`` (fp16/bf16/fp32, usually the logits' dtype),
-    which is either a contiguous tensor of ``logits.shape`` or ``logits`` itself (in place: the
-    logits are destroyed).
+    which is a contiguous tensor of ``logits.shape``, a tensor with the logits' shape and strides
+    (e.g. the same window of a base-shaped buffer), or ``logits`` itself (in place: the logits are
+    destroyed).
     ``grad_logp``/``grad_entropy`` None mean zero; ``entropy`` is needed with ``grad_entropy``.
     ``grad_scale`` (a one-element tensor on the logits' device, e.g. the 0-dim upstream gradient
     of a loss) multiplies both, read inside the kernel."""
@@ -425,14 +426,10 @@ def token_logprobs_bwd_into(
     # linear path writes the bf16 gradient of fp32 chunk logits in one pass.
     assert grad_logits.shape == logits.shape
     assert grad_logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    if (
-        grad_logits.data_ptr() == logits.data_ptr()
-        and grad_logits.stride() == logits.stride()
-        and grad_logits.dtype == logits.dtype
-    ):
+    if grad_logits.stride() == logits.stride():  # the logits themselves, or a window like theirs
         strides_d = (stride_xb, stride_xt, stride_xv)
     else:
-        assert grad_logits.is_contiguous(), "grad_logits must be contiguous or be the logits"
+        assert grad_logits.is_contiguous(), "grad_logits must be contiguous or have the logits' strides"
         strides_d = (n_inner * n_cols, n_cols, 1)
     if n_rows == 0:
         return

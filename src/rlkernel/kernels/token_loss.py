@@ -105,7 +105,9 @@ def _token_loss_rows_kernel(
     loss_ptr,
     logp_ptr,
     entropy_ptr,
-    dx_ptr,  # contiguous [N, V], the logits' dtype
+    dx_ptr,  # [N, V] rows at (row // n_inner)·stride_db + (row % n_inner)·stride_dt, the logits' dtype
+    stride_db,
+    stride_dt,
     # inputs
     x_ptr,
     stride_xb,
@@ -144,7 +146,7 @@ def _token_loss_rows_kernel(
     loss, g_logp, g_h = token_terms(row, active, row // seq_len, logp, h, inputs, scalars, BRANCH)
     tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
     tl.store(loss_ptr + row, tl.where(active, loss, 0.0))
-    dx_row = dx_ptr + row * n_cols
+    dx_row = dx_ptr + (row // n_inner) * stride_db + (row % n_inner) * stride_dt
     n_stream = tl.where(active, n_cols, 0)  # ignored rows write zeros and read nothing
     for v0 in range(0, n_cols, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
@@ -220,13 +222,14 @@ def token_loss_fwd(
 
 
 def token_loss_grad_in_fwd(
-    logits: torch.Tensor, plan: TokenLossPlan, *, temperature: float
+    logits: torch.Tensor, plan: TokenLossPlan, *, temperature: float, grad: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Allocating launcher of the gradient-in-forward row kernel over all N rows of ``logits``
-    (kernel layout, see ``logprobs.as_kernel_layout``) for a whole ``plan`` of the same N tokens:
+    """Launcher of the gradient-in-forward row kernel over all N rows of ``logits`` (kernel layout,
+    see ``logprobs.as_kernel_layout``) for a whole ``plan`` of the same N tokens:
     ``(loss_rows, logp, entropy, grad)`` with fp32 ``[N]`` per-row loss, logp and entropy (empty
-    ``[0]`` unless ``plan.want_entropy``) and ``grad`` = dL/dlogits for an upstream gradient of 1
-    (contiguous, the logits' dtype)."""
+    ``[0]`` unless ``plan.want_entropy``) and ``grad`` = dL/dlogits for an upstream gradient of 1 in
+    the logits' dtype: a new contiguous tensor, or written into ``grad`` when given (the logits'
+    shape and strides, e.g. the same window of a base-shaped buffer)."""
     from rlkernel.kernels import logprobs as lp
 
     n_inner, stride_b, stride_t, stride_v = lp.row_layout(logits)
@@ -237,7 +240,12 @@ def token_loss_grad_in_fwd(
     loss_rows = torch.empty(n, dtype=torch.float32, device=dev)
     logp = torch.empty(n, dtype=torch.float32, device=dev)
     entropy = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=dev)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=dev)
+    if grad is None:
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=dev)
+        stride_db, stride_dt = n_inner * n_cols, n_cols
+    else:
+        assert grad.shape == logits.shape and grad.stride() == logits.stride() and grad.dtype == logits.dtype
+        stride_db, stride_dt = stride_b, stride_t
     if n == 0:
         return loss_rows, logp, entropy, grad
     assert plan.row0 == 0 and plan.n_tokens == n, "the row kernel runs over all rows of a whole plan"
@@ -248,6 +256,8 @@ def token_loss_grad_in_fwd(
             logp,
             entropy if want_entropy else logp,
             grad,
+            stride_db,
+            stride_dt,
             logits,
             stride_b,
             stride_t,

@@ -38,6 +38,7 @@ import torch
 from rlkernel._autocast import without_autocast
 from rlkernel.kernels import logprobs as kernels
 from rlkernel.ops import _autograd as autograd_state
+from rlkernel.ops._views import window_of
 
 # Whether inplace_backward=True also writes in place inside torch.compile'd code (see Caveats).
 _INPLACE_UNDER_COMPILE = False
@@ -143,15 +144,18 @@ class TokenLogprobsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, token_ids, temperature, ignore_index, return_entropy, inplace_backward):
-        x = kernels.as_kernel_layout(logits)
+    def forward(ctx, logits, token_ids, temperature, ignore_index, return_entropy, inplace_backward, window):
+        # window (eager only): ``logits`` is the base of the caller's view, the view its window.
+        x = kernels.as_kernel_layout(logits if window is None else window.of(logits))
         fwd = torch.ops.rlkernel.token_logprobs_fwd if torch.compiler.is_compiling() else _fwd_op._init_fn
         logp, entropy, lse = fwd(x, token_ids, temperature, ignore_index, return_entropy)
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
         ctx.overwritten = False  # set once a backward has written the gradient into the logits
+        ctx.window = window
         # In place, the gradient *is* the saved logits: save a detached alias (same storage and
         # version counter) so that the returned gradient does not itself require grad.
-        ctx.save_for_backward(x.detach() if ctx.inplace_backward else x, token_ids, lse, entropy)
+        saved = x if window is None else logits
+        ctx.save_for_backward(saved.detach() if ctx.inplace_backward else saved, token_ids, lse, entropy)
         ctx.temperature = temperature
         ctx.ignore_index = ignore_index
         ctx.return_entropy = return_entropy
@@ -163,15 +167,21 @@ class TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, grad_logp, grad_entropy):
+        none = (None,) * 7
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
+            return none
         if ctx.overwritten:
             raise autograd_state.second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         x, token_ids, lse, entropy = ctx.saved_tensors
         if not ctx.return_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return none
+        if ctx.window is not None:  # eager only (the wrapper never passes a window when compiling)
+            return (
+                _window_backward(ctx, x, token_ids, lse, entropy, grad_logp, grad_entropy, None),
+                *none[1:],
+            )
         args = (x, token_ids, lse, entropy, grad_logp, grad_entropy, ctx.temperature, ctx.ignore_index)
         compiling = torch.compiler.is_compiling()
         inplace = ctx.inplace_backward and (_INPLACE_UNDER_COMPILE or not compiling)
@@ -189,7 +199,24 @@ class TokenLogprobsFunction(torch.autograd.Function):
             grad = x
         else:
             grad = (torch.ops.rlkernel.token_logprobs_bwd if compiling else _bwd_op._init_fn)(*args)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
+
+
+def _window_backward(ctx, base, ids, lse, entropy, g_logp, g_entropy, scale):
+    """The gradient of the whole base of a windowed call: the kernel writes the window (into a new
+    base-shaped buffer, or in place into the base itself), only the rows outside it are zeroed."""
+    window = ctx.window
+    inplace = ctx.inplace_backward and not autograd_state.graph_retained()
+    grad = base if inplace else torch.empty(base.shape, dtype=base.dtype, device=base.device)
+    kernels.token_logprobs_bwd_into(
+        window.of(base), ids, lse, entropy, g_logp, g_entropy, window.of(grad),
+        temperature=ctx.temperature, ignore_index=ctx.ignore_index, grad_scale=scale,
+    )  # fmt: skip
+    window.zero_outside(grad)
+    if inplace:
+        torch.autograd.graph.increment_version(base)
+        ctx.overwritten = True
+    return grad
 
 
 def token_logprobs_triton(
@@ -201,10 +228,25 @@ def token_logprobs_triton(
     return_entropy: bool,
     inplace_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, entropy)`` through the kernels; ``entropy`` is an empty tensor unless asked for."""
+    """``(logp, entropy)`` through the kernels; ``entropy`` is an empty tensor unless asked for.
+    Logits that are a window of a base requiring grad (``out.logits[:, P - 1 : -1]``) give the
+    base's gradient directly (:mod:`rlkernel.ops._views`)."""
+    source, window = _base_and_window(logits)
     return TokenLogprobsFunction.apply(
-        logits, token_ids, float(temperature), int(ignore_index), bool(return_entropy), bool(inplace_backward)
-    )
+        source, token_ids, float(temperature), int(ignore_index), bool(return_entropy),
+        bool(inplace_backward), window,
+    )  # fmt: skip
+
+
+def _base_and_window(logits: torch.Tensor):
+    """``(base, window)`` when the eager Triton path can give the base's gradient directly (the
+    window is addressed without a copy), else ``(logits, None)``."""
+    if torch.compiler.is_compiling() or logits._base is None:
+        return logits, None
+    found = window_of(logits)
+    if found is None or kernels.row_layout(logits) is None:
+        return logits, None
+    return found
 
 
 # ------------------------------------------------------------------------- fused token-level loss
@@ -225,18 +267,21 @@ class TokenLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, plan, temperature, inplace_backward):
+    def forward(ctx, logits, plan, temperature, inplace_backward, window):
         from rlkernel.ops.token_loss import token_loss
 
-        ids = plan.ids.view(logits.shape[:-1])
-        x = kernels.as_kernel_layout(logits)
+        # window: ``logits`` is the base of the caller's view, the view its window.
+        x = kernels.as_kernel_layout(logits if window is None else window.of(logits))
+        ids = plan.ids.view(x.shape[:-1])
         want_entropy = plan.want_entropy
         logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, plan.ignore_index, want_entropy)
         terms = token_loss(plan, logp, entropy if want_entropy else None, backend="triton")
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
         ctx.overwritten = False  # set once a backward has written the gradient into the logits
+        ctx.window = window
+        saved = x if window is None else logits
         ctx.save_for_backward(
-            x.detach() if ctx.inplace_backward else x,
+            saved.detach() if ctx.inplace_backward else saved,
             ids,
             lse,
             terms.g_logp,
@@ -254,11 +299,19 @@ class TokenLossFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, grad_loss, grad_logp_unused, grad_entropy_unused):
         if not ctx.needs_input_grad[0] or grad_loss is None:
-            return None, None, None, None
+            return None, None, None, None, None
         if ctx.overwritten:
             raise autograd_state.second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         x, ids, lse, g_logp, entropy, g_entropy = ctx.saved_tensors
         scale = grad_loss.detach().reshape(1).to(device=x.device, dtype=torch.float32)
+        if ctx.window is not None:
+            return (
+                _window_backward(ctx, x, ids, lse, entropy, g_logp, g_entropy, scale),
+                None,
+                None,
+                None,
+                None,
+            )
         # A retained graph will run this backward again: the logits must stay intact until the last.
         inplace = ctx.inplace_backward and not autograd_state.graph_retained()
         grad = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -277,13 +330,15 @@ class TokenLossFunction(torch.autograd.Function):
         if inplace:
             torch.autograd.graph.increment_version(x)
             ctx.overwritten = True
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def token_loss_triton(logits: torch.Tensor, plan, *, temperature: float, inplace_backward: bool):
     """``(loss, logp, entropy)`` of a token-level plan from logits (see :class:`TokenLossFunction`);
-    ``entropy`` is an empty tensor unless the plan has an entropy term."""
-    return TokenLossFunction.apply(logits, plan, float(temperature), bool(inplace_backward))
+    ``entropy`` is an empty tensor unless the plan has an entropy term. A window of a base that
+    requires grad gives the base's gradient directly (:mod:`rlkernel.ops._views`)."""
+    source, window = _base_and_window(logits)
+    return TokenLossFunction.apply(source, plan, float(temperature), bool(inplace_backward), window)
 
 
 class TokenLossGradInForwardFunction(torch.autograd.Function):
@@ -302,15 +357,25 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, plan, temperature):
+    def forward(ctx, logits, plan, temperature, window):
         from rlkernel.kernels import token_loss as tl_kernels
 
-        x = kernels.as_kernel_layout(logits)
-        loss_rows, logp, entropy, grad = tl_kernels.token_loss_grad_in_fwd(x, plan, temperature=temperature)
+        if window is None:
+            x = kernels.as_kernel_layout(logits)
+            loss_rows, logp, entropy, grad = tl_kernels.token_loss_grad_in_fwd(
+                x, plan, temperature=temperature
+            )
+        else:  # logits is the base of the caller's view: the buffer is base-shaped, zero outside the window
+            x = window.of(logits)
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            window.zero_outside(grad)
+            loss_rows, logp, entropy, _ = tl_kernels.token_loss_grad_in_fwd(
+                x, plan, temperature=temperature, grad=window.of(grad)
+            )
         ctx.grad = grad
         ctx.mark_non_differentiable(logp, entropy)
         ctx.set_materialize_grads(False)
-        lead = logits.shape[:-1]
+        lead = x.shape[:-1]
         return loss_rows.sum(), logp.view(lead), entropy.view(lead) if plan.want_entropy else entropy
 
     @staticmethod
@@ -319,7 +384,7 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
         from rlkernel.kernels import token_loss as tl_kernels
 
         if grad_loss is None or not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         grad = ctx.grad
         if grad is None:
             raise autograd_state.second_backward_error(
@@ -329,11 +394,13 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
             )
         scale = grad_loss.detach().reshape(1).to(device=grad.device, dtype=torch.float32)
         if autograd_state.graph_retained():  # another backward will read the buffer: hand out a rescaled copy
-            return tl_kernels.scale_(grad.clone(), scale), None, None
+            return tl_kernels.scale_(grad.clone(), scale), None, None, None
         ctx.grad = None  # the buffer becomes the caller's gradient: a second backward must not rescale it
-        return tl_kernels.scale_(grad, scale), None, None
+        return tl_kernels.scale_(grad, scale), None, None, None
 
 
 def token_loss_grad_in_forward_triton(logits: torch.Tensor, plan, *, temperature: float):
-    """``(loss, logp, entropy)`` through :class:`TokenLossGradInForwardFunction`."""
-    return TokenLossGradInForwardFunction.apply(logits, plan, float(temperature))
+    """``(loss, logp, entropy)`` through :class:`TokenLossGradInForwardFunction` (a window of a
+    base that requires grad: the buffer and the returned gradient are the base's)."""
+    source, window = _base_and_window(logits)
+    return TokenLossGradInForwardFunction.apply(source, plan, float(temperature), window)

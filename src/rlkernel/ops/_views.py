@@ -1,0 +1,84 @@
+"""Logits that are a window of a larger tensor: the backward writes the gradient of the whole base.
+
+A trainer takes the logits of the completion tokens as a view of the model output, e.g.
+``out.logits[:, P - 1 : -1]`` of ``[B, P + T, V]``. Were the op's input the view, autograd's slice
+backward would allocate a zero ``[B, P + T, V]`` gradient and copy the op's ``[B, T, V]`` gradient
+into it: a second logits-sized buffer and two extra passes over HBM. So when the logits are such a
+window, the Triton paths take the *base* as their autograd input and return its gradient directly:
+one base-shaped buffer, the window written by the kernel, only the rows outside it zeroed (or, in
+place, the base itself).
+
+A window here is a box of the base's leading dims (a slice with step 1, or one index, per dim; the
+vocabulary dim whole) of a contiguous base, so that the view has the base's strides: ``[:, :-1]``,
+``[:, P - 1 : -1]``, ``[1:, 2:]``, packed ``[0, a:b]`` of ``[1, N, V]``. Anything else (a transposed
+or reshaped view, a step, a partial vocabulary) keeps the autograd path through the view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Where a view sits in its base.
+
+    Attributes:
+        index: per leading dim of the base a ``slice`` (step 1) or an ``int`` (a dim the view
+            drops), then ``slice(None)`` for V.
+    """
+
+    index: tuple[slice | int, ...]
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """The window of ``t`` (the base, or a tensor of its shape): a view, no copy."""
+        return t[self.index]
+
+    def zero_outside(self, t: torch.Tensor) -> None:
+        """Zero every row of ``t`` (the base's shape) outside the window: at most two slices per
+        leading dim (before and after the window), never a row inside it."""
+        for d, sl in enumerate(self.index[:-1]):
+            prefix = self.index[:d]
+            start, stop = (sl, sl + 1) if isinstance(sl, int) else (sl.start, sl.stop)
+            if start > 0:
+                t[(*prefix, slice(0, start))].zero_()
+            if stop < t.shape[d]:
+                t[(*prefix, slice(stop, None))].zero_()
+
+
+def window_of(logits: torch.Tensor) -> tuple[torch.Tensor, Window] | None:
+    """``(base, window)`` when ``logits`` is a box window (not the whole) of a contiguous base that
+    requires grad, else None."""
+    base = logits._base
+    dropped = base.dim() - logits.dim() if base is not None else -1
+    if (
+        base is None
+        or not base.requires_grad
+        or not torch.is_grad_enabled()
+        or dropped < 0
+        or logits.dim() < 1
+        or base.dtype != logits.dtype
+        or not base.is_contiguous()
+        or logits.shape[-1] != base.shape[-1]
+        or logits.stride() != base.stride()[dropped:]
+        or logits.numel() == 0
+    ):
+        return None
+    offset = logits.storage_offset() - base.storage_offset()
+    sizes = (None,) * dropped + tuple(logits.shape[:-1])  # None: a dim the view drops (one index)
+    index: list[slice | int] = []
+    for size, full, stride in zip(sizes, base.shape[:-1], base.stride()[:-1], strict=True):
+        start, offset = divmod(offset, stride) if stride > 0 else (0, offset)
+        if start + (size or 1) > full:
+            return None
+        index.append(start if size is None else slice(start, start + size))
+    if offset != 0:  # an offset inside a row: not a box of whole rows
+        return None
+    if all(
+        isinstance(s, slice) and s.start == 0 and s.stop == n
+        for s, n in zip(index, base.shape[:-1], strict=True)
+    ):
+        return None  # the whole base: nothing to gain
+    return base, Window((*index, slice(None)))
