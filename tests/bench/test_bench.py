@@ -315,7 +315,12 @@ def test_gpu_time_hides_the_host():
     x = torch.ones(1024, device="cuda")
 
     def call():
-        time.sleep(0.0001)  # ~0.1 ms of "host work" before the launch (< the ~0.35 ms queued)
+        # 0.1 ms of "host work" before the launch (< the ~0.35 ms queued): a busy wait, since
+        # time.sleep(0.0001) overshoots by up to a few tenths of a ms on a loaded host (it once
+        # outlasted the queued write on the H100 host: 0.08 ms of host time leaked into the result).
+        end = time.perf_counter() + 1e-4
+        while time.perf_counter() < end:
+            pass
         x.add_(1)
 
     kernel_ms = harness.gpu_time_ms(call, torch.device("cuda"), reps=5, warmup=1)
