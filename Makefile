@@ -9,6 +9,12 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
+# OpenRLHF's real PolicyLoss is the reference of tests/integrations (rlkernel.integrations.openrlhf is
+# tested against this version). Installed alone (--no-deps): its declared dependencies are deepspeed,
+# flash-attn, vLLM, ray and a pinned transformers, and its loss module needs only torch (the tests
+# stub the two imports it never calls, tests/integrations/conftest.py). The wheel also installs a
+# top-level `tests` package of its own; nothing here imports `tests`.
+OPENRLHF_SPEC ?= openrlhf==0.11.2
 VENV_FLAGS  ?=
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
@@ -26,12 +32,13 @@ setup-demo: $(BIN)/python
 
 setup-dev: $(BIN)/python
 	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps $(OPENRLHF_SPEC)
 
 demo: setup-demo
 	$(BIN)/rlkernel demo $(DEMO_ARGS)
 
 test: setup-dev
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts examples
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	scripts/test_cpu_variants.sh $(BIN)/python
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site

@@ -13,6 +13,8 @@ is where back-edges hide), and resolved to the module it names. The rules (DESIG
 * ``distributed`` imports nothing from ``rl``, ``invariant``, ``bench``, ``demo``, the CLI or the
   package root.
 * ``rl/`` imports nothing from ``invariant``, ``bench``, ``demo`` or the CLI.
+* ``integrations`` is the top layer: nothing else in ``src/`` (the package root and the tools
+  included) imports it, and it imports none of the tools (``cli``, ``bench``, ``demo``).
 * No import cycle between modules anywhere in ``src/``.
 
 ``KNOWN_*`` may list violations accepted for a while (empty now); the test fails on any violation
@@ -34,7 +36,10 @@ FORBIDDEN = {
     "ops": {"rl", "distributed", "invariant", "bench", "demo", "cli", "<root>"},
     "distributed": {"rl", "invariant", "bench", "demo", "cli", "<root>"},
     "rl": {"invariant", "bench", "demo", "cli", "<root>"},
+    "integrations": {"bench", "demo", "cli"},
 }
+# The top layer: no module outside it may import it (a rule for every layer, the root included).
+TOP = "integrations"
 KNOWN_BACK_EDGES: set[tuple[str, str]] = set()
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
@@ -90,7 +95,7 @@ def back_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
         (a, b)
         for a, targets in graph.items()
         for b in targets
-        if _layer(b) in FORBIDDEN.get(_layer(a), set())
+        if _layer(b) in FORBIDDEN.get(_layer(a), set()) or (_layer(b) == TOP and _layer(a) != TOP)
     }
 
 
@@ -167,6 +172,11 @@ def test_the_checks_see_what_they_must():
     }
     assert back_edges(graph) == {("rlkernel.kernels.a", "rlkernel.rl.b"), ("rlkernel.ops.c", "rlkernel.rl.b")}
     assert cycles(graph) == {frozenset({"rlkernel.rl.b", "rlkernel.ops.c"})}
+    # nothing imports the top layer: not the root, not a tool, not a private helper
+    upward = {
+        name: {"rlkernel.integrations.x"} for name in ("rlkernel", "rlkernel.cli", "rlkernel._validate")
+    }
+    assert back_edges(upward) == {(name, "rlkernel.integrations.x") for name in upward}
     real = import_graph()
     assert "rlkernel.kernels.matmul" in real["rlkernel.invariant.matmul"] or any(
         t.startswith("rlkernel.kernels") for t in real["rlkernel.invariant.matmul"]
@@ -175,3 +185,5 @@ def test_the_checks_see_what_they_must():
     assert any(_layer(t) == "ops" for t in real["rlkernel.rl.fused"])
     # the tp_group route of linear_token_logprobs stays inside ops (a function-local import)
     assert "rlkernel.ops.vocab_parallel" in real["rlkernel.ops.logprobs"]
+    # the integrations sit on the objectives
+    assert any(_layer(t) == "rl" for t in real["rlkernel.integrations.openrlhf"])

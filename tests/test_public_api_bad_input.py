@@ -5,7 +5,8 @@ The public callables are walked, not listed:
 * everything in ``rlkernel.__all__``; for a class, its constructor and its public classmethods and
   staticmethods (``PolicyLossConfig`` and ``PolicyLossConfig.preset``);
 * everything in ``rlkernel.invariant.__all__`` and ``rlkernel.distributed.__all__``
-  (docs/api/distributed.md);
+  (docs/api/distributed.md), and in the ``__all__`` of every integration,
+  ``rlkernel.integrations.openrlhf`` (docs/integrations/);
 * every subcommand of the ``rlkernel`` command, as ``"cli:<name>"``.
 
 Coverage is declared by the bad-input test modules, ``tests/**/test_bad_input*.py``: each has a
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import rlkernel
 import rlkernel.distributed
+import rlkernel.integrations.openrlhf
 import rlkernel.invariant
 from rlkernel.cli import build_parser
 
@@ -61,7 +63,7 @@ def _class_members(cls: type) -> dict[str, object]:
 def public_callables() -> dict[str, object]:
     """``key -> callable`` for every public callable (see the module docstring)."""
     found: dict[str, object] = {}
-    for module in (rlkernel, rlkernel.invariant, rlkernel.distributed):
+    for module in (rlkernel, rlkernel.invariant, rlkernel.distributed, rlkernel.integrations.openrlhf):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isclass(obj):
@@ -122,6 +124,7 @@ def test_every_public_callable_has_a_bad_input_case():
     public = public_callables()
     assert "rlkernel.rl.config:PolicyLossConfig.preset" in public  # the walk sees classmethods
     assert "cli:consistency" in public  # ... and the CLI's subcommands
+    assert "rlkernel.integrations.openrlhf:PolicyLoss" in public  # ... and the integrations
     modules = bad_input_modules()
     assert modules, f"no {PATTERN} under {TESTS}"
 

@@ -1,0 +1,16 @@
+"""``rlkernel.integrations``: rlkernel as a drop-in where users train (DESIGN.md, "Integrations").
+
+Each integration is a submodule, imported on its own (this package imports none of them, and none
+imports its framework: they read only the installed version):
+
+    openrlhf    PolicyLoss: OpenRLHF 0.11.2's ``openrlhf.models.loss.PolicyLoss`` (same constructor,
+                ``forward`` and return values), computed by :func:`rlkernel.policy_loss`
+                (docs/integrations/openrlhf.md)
+
+An integration maps the framework's settings onto :class:`rlkernel.PolicyLossConfig` and the global
+normalizers, states the framework versions it is tested with, and raises at construction for a
+setting it cannot reproduce exactly. Its tests compare it with the framework's real code.
+
+This is the top layer of the package: it may use everything below it (the public API, ``rl``), and
+nothing in ``rlkernel`` imports it (``tests/test_layering.py``).
+"""
