@@ -1,6 +1,6 @@
 """``rlkernel bench``: benchmark suites, the harness that runs them, and the report generators.
 
-Suites register in :data:`SUITES`; each one is a :class:`~rlkernel.bench.harness.Suite` that builds
+Suites register in :data:`SUITES`; each one is a :class:`~rlkernel.bench.suite.Suite` that builds
 its workloads from the command line's :class:`~rlkernel.bench.harness.Options`. The harness runs every
 implementation of a workload in one process (interleaved, medians), measures the hardware ceilings in
 the same run, and writes ``<suite>.csv``, ``<suite>.json`` and ``<suite>.png``. See DESIGN.md,
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from rlkernel.bench.harness import BenchError, Suite
+from rlkernel.bench.suite import BenchError, Suite
 
 # One module per suite, each defining ``SUITE``: logits (log-probs and losses from logits), linear
 # (LM head + loss from hidden states), invariant (the batch-invariant forward chain).

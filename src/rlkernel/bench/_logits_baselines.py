@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlkernel.bench.harness import optional_import
+from rlkernel.bench.suite import optional_import
 
 # The settings of the objectives every implementation computes (see rlkernel.bench.logits).
 TEMPERATURE = 0.9

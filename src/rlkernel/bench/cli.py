@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace, suite_name: str):
     import torch
 
-    from rlkernel.bench.harness import BenchError, Options
+    from rlkernel.bench.suite import BenchError, Options
 
     if args.smoke:
         device = torch.device("cpu")

@@ -50,8 +50,8 @@ from collections.abc import Callable
 
 import torch
 
-from rlkernel.bench.results import COMMON_HEAD, COMMON_TAIL, columns_for, make_rows, write_results  # noqa: F401
-from rlkernel.bench.suite import (  # noqa: F401 - re-exported: suites, tests and the CLI use them here
+from rlkernel.bench.results import columns_for, make_rows, write_results  # noqa: F401 - the CLI's
+from rlkernel.bench.suite import (  # noqa: F401 - the rest re-exported: the CLI and tests use them here
     BenchError,
     Call,
     CallResult,
@@ -61,10 +61,6 @@ from rlkernel.bench.suite import (  # noqa: F401 - re-exported: suites, tests an
     Skip,
     Suite,
     Workload,
-    optional_import,
-    select,
-    select_impls,
-    token_and_vocab_sizes,
 )
 from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests and scripts use them here
     QUEUE_AHEAD_BYTES,

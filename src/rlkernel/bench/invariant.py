@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from rlkernel.bench._invariant_models import model_setup
-from rlkernel.bench.harness import (
+from rlkernel.bench.suite import (
     BenchError,
     CallResult,
     Options,
@@ -82,11 +82,11 @@ from rlkernel.bench.harness import (
     Skip,
     Suite,
     Workload,
+    bench_dtype,
     optional_import,
     select,
     select_impls,
 )
-from rlkernel.bench.suite import bench_dtype
 
 VARIANTS = ("rlkernel_single", "rlkernel_cublas_bwd")
 IMPLS = ("rlkernel", "torch", "flash_attn", *VARIANTS)

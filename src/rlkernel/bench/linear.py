@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from rlkernel.bench import logits as bl
-from rlkernel.bench.harness import (
+from rlkernel.bench.suite import (
     CallResult,
     Options,
     Prepared,

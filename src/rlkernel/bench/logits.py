@@ -105,7 +105,7 @@ from rlkernel.bench._logits_baselines import (  # noqa: F401 - some only re-expo
     torch_policy_loss_from_logits,
     torch_token_logprobs,
 )
-from rlkernel.bench.harness import (
+from rlkernel.bench.suite import (
     CallResult,
     Options,
     Prepared,

@@ -40,7 +40,7 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import autocast_disabled, autocast_enabled, without_autocast
-from rlkernel._options import MatmulThresholds, current_options
+from rlkernel._options import DEFAULTS, MatmulThresholds, current_options
 from rlkernel.reference import matmul as ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -81,7 +81,7 @@ def _threshold_list(th: MatmulThresholds) -> list[int]:
     return [th.narrow_n, th.vocab_n, th.min_tiles, th.min_tiles_tma]
 
 
-_DEFAULT_THRESHOLDS = MatmulThresholds()
+_DEFAULT_THRESHOLDS = DEFAULTS.matmul_thresholds  # the object kernels.matmul_table keys as the default
 
 
 def _thresholds(values: list[int]) -> MatmulThresholds:

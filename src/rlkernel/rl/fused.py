@@ -169,10 +169,7 @@ def fused_policy_loss(
         cu_seqlens=cu_seqlens,
         like_name="token_ids",
     )
-    active = batch.mask != 0
-    # Masked positions become IGNORE_INDEX (int64 first: it does not fit unsigned id dtypes, uint8
-    # would wrap it to 156), so they cost no softmax gradient and need no valid id.
-    ids = torch.where(active, token_ids.long(), IGNORE_INDEX)
+    ids, active = token_loss.masked_token_ids(token_ids, batch.mask)
     tp = tp_group is not None
     if logits is not None:
         check.float_tensor("logits", logits, min_dim=1)

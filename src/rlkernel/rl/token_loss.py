@@ -104,7 +104,6 @@ def build_plan(
     global_tokens: float | torch.Tensor | None = None,
     global_seqs: float | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    masked_ids: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> TokenLossPlan:
     """The per-token constants of ``policy_loss(logp, old_logp, advantages, mask, cfg, ...)``.
 
@@ -115,8 +114,6 @@ def build_plan(
             kernels.
         old_logp, advantages, mask, ref_logp, rollout_logp, global_tokens, global_seqs, cu_seqlens:
             as in :func:`rlkernel.policy_loss`, over the shape of ``token_ids``.
-        masked_ids: ``(ids, active)`` already computed by the caller (ids int64 with
-            ``IGNORE_INDEX`` at masked positions, and the bool mask), to skip recomputing them.
 
     Returns:
         :class:`TokenLossPlan`. No host sync (except reading ``cu_seqlens`` for packed input and a
@@ -139,10 +136,15 @@ def build_plan(
         cu_seqlens=cu_seqlens,
         like_name="token_ids",
     )
-    if masked_ids is None:
-        active = batch.mask != 0
-        masked_ids = (torch.where(active, ids.long(), IGNORE_INDEX), active)
-    return plan_from_batch(batch, masked_ids)
+    return plan_from_batch(batch, masked_token_ids(ids, batch.mask))
+
+
+def masked_token_ids(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, active)``: int64 ``token_ids`` with ``IGNORE_INDEX`` at masked positions (so they cost
+    no softmax gradient and need no valid id), and the bool mask of active positions (``mask != 0``).
+    int64 first: ``IGNORE_INDEX`` does not fit unsigned id dtypes (uint8 would wrap it to 156)."""
+    active = mask != 0
+    return torch.where(active, token_ids.long(), IGNORE_INDEX), active
 
 
 def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tensor]) -> TokenLossPlan:
