@@ -31,12 +31,14 @@ TEMPERATURE = 0.9
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 2**-7
 METRIC_ATOL = 1e-4
-CONFIGS = {  # label: (preset, overrides, takes the fused token-level path)
+CONFIGS = {  # label: (preset, overrides, has a token-level plan; else the fused coefficient path)
     "dapo+kl": ("dapo", dict(kl_coef=1e-3, kl_estimator="k3"), True),
     "ppo": ("ppo", {}, True),
     "cispo": ("cispo", {}, True),
     "sapo": ("sapo", {}, True),
     "gspo": ("gspo", {}, False),
+    "gspo_token+kl": ("gspo", dict(loss_type="gspo_token", kl_coef=1e-3), False),
+    "gmpo+entropy": ("gmpo", dict(entropy_coef=1e-3), False),
 }
 THREE_PASS = dict(grad_in_forward_max_vocab=0)
 TWO_PASS = dict(grad_in_forward_max_vocab=1 << 30)
@@ -105,9 +107,9 @@ def dapo_kl():
 
 @pytest.mark.parametrize("label", list(CONFIGS))
 def test_fused_path_matches_composed_path(inputs, label):
-    """Loss, logits gradient and metrics of each objective with token-level fusion (3-pass) against
-    the composed path (``token_level_fusion=False``); GSPO is not eligible and takes the composed
-    path either way."""
+    """Loss, logits gradient and metrics of each objective on its fused path (the token-level plan,
+    3-pass; the sequence-level ones: the fused coefficient path) against the composed path
+    (``token_level_fusion=False``)."""
     preset, overrides, eligible = CONFIGS[label]
     cfg = rk.PolicyLossConfig.preset(preset, **overrides)
     assert token_loss.is_eligible(cfg) == eligible
@@ -138,6 +140,59 @@ def test_out_of_range_active_id_without_validation_gives_nan(inputs):
     bad = SimpleNamespace(**{**vars(inputs), "ids": ids})
     loss = run_loss(dapo_kl(), bad, validate=False).loss
     assert bool(torch.isnan(loss)), loss
+
+
+def test_active_ignore_index_id_without_validation_gives_nan(inputs):
+    """An *active* id equal to ignore_index (-100), ``validate=False``: NaN, not a dropped token."""
+    ids = inputs.ids.clone()
+    ids[0, 0] = -100
+    loss = run_loss(dapo_kl(), SimpleNamespace(**{**vars(inputs), "ids": ids}), validate=False).loss
+    assert bool(torch.isnan(loss)), loss
+
+
+@pytest.mark.parametrize("label", ["dapo+kl", "gspo"])
+def test_default_call_makes_no_host_sync(inputs, label):
+    """Default arguments (``validate=True``), logits sliced from a larger output: forward and
+    backward run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host sync."""
+    preset, overrides, _ = CONFIGS[label]
+    cfg = rk.PolicyLossConfig.preset(preset, **overrides)
+    b, t, vocab = inputs.logits.shape
+    base = torch.zeros(b, t + 1, vocab, device=DEVICE, dtype=inputs.logits.dtype)
+    base[:, :-1].copy_(inputs.logits.detach())
+    base.requires_grad_(True)
+    run_loss(cfg, inputs, logits=base[:, :-1]).loss.backward()  # warm up (compiles, caches)
+    torch.cuda.synchronize()
+    rk.raise_pending_errors()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run_loss(cfg, inputs, logits=base[:, :-1])
+        out.loss.backward()
+        rk.token_logprobs(inputs.logits.detach(), inputs.ids.clamp_min(0), return_entropy=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    rk.raise_pending_errors()  # nothing pending is bad: no error
+
+
+def test_bad_id_with_default_validation_raises_at_the_next_call(inputs):
+    """``validate=True`` (default) with an active id >= V on CUDA: no sync in the call, the loss is
+    NaN at once, and the ValueError (count, first bad id) comes from the next checking call made
+    after the GPU finished; ``rk.raise_pending_errors()`` raises it too (it waits)."""
+    vocab = inputs.logits.shape[-1]
+    ids = inputs.ids.clone()
+    ids[0, 0], ids[1, 0] = vocab + 12345, vocab + 7
+    bad = SimpleNamespace(**{**vars(inputs), "ids": ids})
+    loss = run_loss(dapo_kl(), bad).loss
+    assert bool(torch.isnan(loss)), loss
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=rf"2 id\(s\) outside \[0, {vocab}\).*first: {vocab + 12345}"):
+        run_loss(dapo_kl(), inputs)
+    rk.raise_pending_errors()  # raised once: nothing left
+    run_loss(dapo_kl(), bad)
+    with pytest.raises(ValueError, match="first: "):
+        rk.raise_pending_errors()
+    with pytest.raises(ValueError, match="token_ids has 2 id"):
+        rk.token_logprobs(inputs.logits.detach(), ids.clamp(0, vocab), ignore_index=-100)
+        rk.raise_pending_errors()
 
 
 @real_size_only

@@ -251,13 +251,15 @@ def _base_and_window(logits: torch.Tensor):
 
 # ------------------------------------------------------------------------- fused token-level loss
 class TokenLossFunction(torch.autograd.Function):
-    """loss = Σ_t ℓ_t(logp_t(logits), H_t(logits)) for a token-level plan, in three launches in all.
+    """loss = L(logp(logits), H(logits)) for a loss given by its per-token coefficients: three
+    launches for a token-level plan, the ``[B, T]`` algebra's own launches otherwise.
 
-    Forward: the log-prob kernel (logp, entropy, lse), then the token-loss kernel
-    (:mod:`rlkernel.kernels.token_loss`: block partial sums of the loss and the coefficients
-    g_logp = dL/dlogp, g_H = dL/dH), then the fixed-order sum of the partials. Backward: ONE launch
-    of the log-prob backward kernel with those coefficients, scaled in-kernel by the 0-dim upstream
-    gradient (read on the device: no host sync, no extra launch).
+    Forward: the log-prob kernel (logp, entropy, lse), then ``source.terms`` (a token-level plan:
+    the token-loss kernel, :mod:`rlkernel.kernels.token_loss`, giving block partial sums of the loss
+    and the coefficients g_logp = dL/dlogp, g_H = dL/dH; a sequence-level loss: its algebra and
+    autograd on the ``[B, T]`` statistics). Backward: ONE launch of the log-prob backward kernel
+    with those coefficients, scaled in-kernel by the 0-dim upstream gradient (read on the device: no
+    host sync, no extra launch).
 
     Saved state: the logits (or their alias when the backward writes in place), the masked ids
     (int64), fp32 ``lse`` and ``g_logp`` and, with an entropy term, fp32 ``entropy`` and ``g_H``:
@@ -267,15 +269,13 @@ class TokenLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, plan, temperature, inplace_backward, window):
-        from rlkernel.ops.token_loss import token_loss
-
+    def forward(ctx, logits, source, temperature, inplace_backward, window):
         # window: ``logits`` is the base of the caller's view, the view its window.
         x = kernels.as_kernel_layout(logits if window is None else window.of(logits))
-        ids = plan.ids.view(x.shape[:-1])
-        want_entropy = plan.want_entropy
-        logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, plan.ignore_index, want_entropy)
-        terms = token_loss(plan, logp, entropy if want_entropy else None, backend="triton")
+        ids = source.ids.view(x.shape[:-1])
+        want_entropy = source.want_entropy
+        logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, source.ignore_index, want_entropy)
+        terms = source.terms(logp, entropy if want_entropy else None)
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
         ctx.overwritten = False  # set once a backward has written the gradient into the logits
         ctx.window = window
@@ -289,7 +289,7 @@ class TokenLossFunction(torch.autograd.Function):
             terms.g_entropy,
         )
         ctx.temperature = temperature
-        ctx.ignore_index = plan.ignore_index
+        ctx.ignore_index = source.ignore_index
         ctx.mark_non_differentiable(logp, entropy)
         # No zero tensors for the (non-differentiable) logp/entropy outputs' gradients: 2 launches.
         ctx.set_materialize_grads(False)
@@ -333,12 +333,13 @@ class TokenLossFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def token_loss_triton(logits: torch.Tensor, plan, *, temperature: float, inplace_backward: bool):
-    """``(loss, logp, entropy)`` of a token-level plan from logits (see :class:`TokenLossFunction`);
-    ``entropy`` is an empty tensor unless the plan has an entropy term. A window of a base that
-    requires grad gives the base's gradient directly (:mod:`rlkernel.ops._views`)."""
-    source, window = _base_and_window(logits)
-    return TokenLossFunction.apply(source, plan, float(temperature), bool(inplace_backward), window)
+def token_loss_triton(logits: torch.Tensor, source, *, temperature: float, inplace_backward: bool):
+    """``(loss, logp, entropy)`` of a loss from logits (see :class:`TokenLossFunction`); ``source``
+    is a :class:`rlkernel.ops.token_loss.LossCoefficients`; ``entropy`` is an empty tensor unless
+    the loss has an entropy term. A window of a base that requires grad gives the base's gradient
+    directly (:mod:`rlkernel.ops._views`)."""
+    base, window = _base_and_window(logits)
+    return TokenLossFunction.apply(base, source, float(temperature), bool(inplace_backward), window)
 
 
 class TokenLossGradInForwardFunction(torch.autograd.Function):

@@ -22,8 +22,14 @@ forward (2 passes over the logits) and the backward only rescales it. The option
 ``token_level_fusion=False`` sends every call to the composed path (for comparisons). Both options
 are read once per call (``rlkernel.use_options``; measurements behind the defaults:
 ``docs/api/options.md``).
-gspo, gspo_token and gmpo (sequence-coupled gradients), the hidden-state path, fp64 logits, the
-reference backend and ``torch.compile`` tracing keep the composed path. Both give the same loss,
+
+Sequence-level objectives (gspo, gspo_token, gmpo: every objective without a token-level plan)
+from logits, Triton backend, with a gradient to compute, take the fused coefficient path: the same
+two log-prob kernels (forward statistics; one backward launch with per-token coefficients), and
+between them the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the
+forward (``rl.fused._fused_autograd_coefficients``), so its host time overlaps the forward kernel
+and the backward is one launch. The hidden-state path of these objectives, fp64 logits, the
+reference backend and ``torch.compile`` tracing keep the composed path. All give the same loss,
 gradients (to fp32 rounding) and metrics.
 
 Masked positions are sent to the primitive as ``ignore_index`` (their ids may be garbage such as -1 or
@@ -35,14 +41,20 @@ Caveats:
       are fine.
     * ``tp_group`` (vocab-parallel LM head) is forwarded to ``linear_token_logprobs`` and works only
       on the hidden-state path.
-    * The fused token-level path runs eagerly only; inside ``torch.compile`` the composed path is
-      traced instead (the token-loss kernel is not registered as a custom op yet).
+    * The fused paths run eagerly only; inside ``torch.compile`` the composed path is traced
+      instead (the token-loss kernel is not registered as a custom op yet).
+    * The fused paths' backward is not itself differentiable (no ``create_graph`` double backward).
+    * With ``validate=True`` on CUDA (Triton path) the id check is queued after the loss's kernels
+      and read later (``rlkernel._deferred_checks``): no host sync.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from rlkernel import _deferred_checks as deferred
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
@@ -53,6 +65,8 @@ from rlkernel.ops.logprobs import (
     linear_token_logprobs_checked,
     token_logprobs_checked,
 )
+from rlkernel.ops.token_loss import LossCoefficients, TokenLossTerms
+from rlkernel.ops.token_loss import token_loss as token_loss_op
 from rlkernel.rl import token_loss
 from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
@@ -71,6 +85,17 @@ def _token_level(cfg: PolicyLossConfig, x: object, opts: Options) -> bool:
         return False
     has_kernel = x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     return _dispatch.resolve_backend(x.device, has_kernel=has_kernel) == "triton"
+
+
+def _coefficient_path(cfg: PolicyLossConfig, logits: object, opts: Options) -> bool:
+    """Whether a logits call whose objective has no token-level plan (gspo, gspo_token, gmpo) takes
+    the fused coefficient path: the ``token_level_fusion`` option, eager mode, the Triton backend,
+    and a gradient to compute (without one, the composed path is the same two launches)."""
+    if not opts.token_level_fusion or not isinstance(logits, torch.Tensor) or torch.compiler.is_compiling():
+        return False
+    if not (logits.requires_grad and torch.is_grad_enabled()) or logits.dtype == torch.float64:
+        return False
+    return _dispatch.resolve_backend(logits.device, has_kernel=True) == "triton"
 
 
 def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object, opts: Options) -> bool:
@@ -131,7 +156,10 @@ def fused_policy_loss(
             optional ``bias`` ``[V]``.
         temperature: the sampling temperature (> 0) applied to the logits.
         tp_group: vocab-parallel process group (hidden path only; see ``linear_token_logprobs``).
-        validate: check that active ids are in ``[0, V)`` (one host sync); ``False`` skips it.
+        validate: check that active ids are in ``[0, V)``; ``False`` skips it. No host sync on the
+            Triton path on CUDA: a bad id makes the loss NaN at once and its ``ValueError`` is
+            raised by a later call (see ``token_logprobs``'s ``validate``); elsewhere it raises
+            inside the call.
         inplace_backward: logits path only: the backward writes dL/dlogits into the logits' own
             storage (see :func:`rlkernel.token_logprobs`), so the step needs no memory for the
             gradient; the logits must not be used after the backward.
@@ -180,20 +208,40 @@ def fused_policy_loss(
     elif not tp:  # vocab-parallel: validated across ranks by the primitive (every rank raises alike)
         check_linear_inputs(hidden, weight, ids, bias, temperature, IGNORE_INDEX)
         vocab = weight.shape[0]
-    if validate and not tp:
-        # On the active positions only: an active id equal to IGNORE_INDEX must be an error, not a
-        # silently dropped token.
-        check.token_ids_in_range(
-            "token_ids (at active mask positions)", torch.where(active, token_ids, 0), vocab, None
-        )
     opts = current_options()
+    check_ids = validate and not tp
+    if check_ids:
+        # On the active positions only, none exempt: an active id equal to IGNORE_INDEX is an error
+        # (masked_token_ids sends it to the kernels as -1: a NaN log-prob meanwhile, never dropped).
+        x = logits if logits is not None else hidden
+        deferred_ok = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64) == "triton"
+        check_ids = functools.partial(
+            deferred.check_token_ids, "token_ids (at active mask positions)", token_ids, vocab, None,
+            defer=deferred_ok, active=active,
+        )  # fmt: skip
+        if not deferred_ok or x.device.type != "cuda":
+            check_ids()  # raises here, before any kernel reads a bad id
+            check_ids = None
+    out = _run(cfg, batch, (ids, active), logits, hidden, weight, bias, temperature, tp_group, validate,
+               inplace_backward, opts)  # fmt: skip
+    if check_ids:
+        # Queued after the loss's kernels, so its small launches do not delay them (no sync).
+        check_ids()
+    return out
+
+
+def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_group, validate,
+         inplace_backward, opts) -> PolicyLossOutput:  # fmt: skip
+    """The path of a checked call (see the module docstring)."""
+    ids = masked_ids[0]
     if _token_level(cfg, logits, opts):
-        two_pass_max_vocab = opts.grad_in_forward_max_vocab
-        return _fused_token_level(
-            logits, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
-        )
+        two_pass = opts.grad_in_forward_max_vocab
+        return _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass)
+    if _coefficient_path(cfg, logits, opts):
+        return _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward)
+    tp = tp_group is not None
     if not tp and _token_level_linear(cfg, hidden, weight, opts):
-        return _fused_linear_token_level(hidden, weight, bias, (ids, active), batch, temperature)
+        return _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature)
     want_entropy = cfg.entropy_coef != 0
     common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     if logits is not None:
@@ -201,11 +249,9 @@ def fused_policy_loss(
     elif not tp:
         out = linear_token_logprobs_checked(hidden, weight, ids, bias=bias, **common)
     else:
-        if validate:
-            # The vocab-parallel primitive checks the ids against the *global* vocabulary on every
-            # rank at once (a local check against this rank's shard would reject valid ids, on some
-            # ranks only). An active id equal to IGNORE_INDEX must stay an error: send it as -1.
-            ids = torch.where(active & (ids == IGNORE_INDEX), -1, ids)
+        # The vocab-parallel primitive checks the ids against the *global* vocabulary on every rank
+        # at once (a local check against this rank's shard would reject valid ids, on some ranks
+        # only); negative active ids arrive there as -1 (masked_token_ids), out of range.
         out = linear_token_logprobs(
             hidden, weight, ids, bias=bias, tp_group=tp_group, validate=validate, **common
         )
@@ -222,24 +268,61 @@ def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
 def _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab):
     """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy.
     ``two_pass_max_vocab``: the option ``grad_in_forward_max_vocab``."""
-    from rlkernel.ops._logprobs_function import token_loss_triton
+    from rlkernel.ops import _logprobs_function as fn
 
-    plan = token_loss.plan_from_batch(batch, masked_ids)
     two_pass = (
         logits.shape[-1] <= two_pass_max_vocab
         and not inplace_backward
         and logits.requires_grad
         and torch.is_grad_enabled()
     )
-    if two_pass:
-        from rlkernel.ops._logprobs_function import token_loss_grad_in_forward_triton
+    want_entropy = batch.cfg.entropy_coef != 0
+    if two_pass:  # the row kernel reads the plan: build it first
+        plan = token_loss.plan_from_batch(batch, masked_ids)
+        loss, logp, entropy = fn.token_loss_grad_in_forward_triton(logits, plan, temperature=temperature)
+        return _output(loss, logp, entropy if want_entropy else None, batch)
 
-        loss, logp, entropy = token_loss_grad_in_forward_triton(logits, plan, temperature=temperature)
-    else:
-        loss, logp, entropy = token_loss_triton(
-            logits, plan, temperature=temperature, inplace_backward=inplace_backward
-        )
-    return _output(loss, logp, entropy if plan.want_entropy else None, batch)
+    def terms(logp, entropy):
+        # Built here, after the log-prob kernel was queued: the plan's ~20 small launches of host
+        # time overlap that kernel instead of delaying it.
+        plan = token_loss.plan_from_batch(batch, masked_ids)
+        return token_loss_op(plan, logp, entropy, backend="triton")
+
+    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+    loss, logp, entropy = fn.token_loss_triton(
+        logits, source, temperature=temperature, inplace_backward=inplace_backward
+    )
+    return _output(loss, logp, entropy if want_entropy else None, batch)
+
+
+def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward):
+    """Any objective from logits in two log-prob kernels (Fast-LLM's GSPO design, for every loss):
+    the forward kernel's per-token statistics, the ``[B, T]`` algebra differentiated by autograd
+    *inside the forward* (dL/dlogp, dL/dH per token: the sequence coupling of gspo, gspo_token and
+    gmpo lives only here), and one backward kernel with those coefficients. Same algebra as
+    ``policy_loss`` (the loss and its gradients to fp32 rounding); metrics stay lazy."""
+    from rlkernel.ops import _logprobs_function as fn
+
+    want_entropy = batch.cfg.entropy_coef != 0
+
+    def terms(logp, entropy):
+        with torch.enable_grad():
+            stats = [logp.detach().requires_grad_()]
+            if want_entropy:
+                stats.append(entropy.detach().requires_grad_())
+            loss = loss_from_batch(stats[0], stats[1] if want_entropy else None, batch).loss
+            if loss.requires_grad:
+                grads = torch.autograd.grad(loss, stats, allow_unused=True, materialize_grads=True)
+            else:  # a loss that reads no log-prob (every token masked): zero coefficients
+                grads = [torch.zeros_like(t) for t in stats]
+        flat = [g.reshape(-1).to(torch.float32) for g in grads]
+        return TokenLossTerms(loss.detach(), flat[0], flat[1] if want_entropy else None)
+
+    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+    loss, logp, entropy = fn.token_loss_triton(
+        logits, source, temperature=temperature, inplace_backward=inplace_backward
+    )
+    return _output(loss, logp, entropy if want_entropy else None, batch)
 
 
 def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature):

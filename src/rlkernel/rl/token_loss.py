@@ -142,9 +142,11 @@ def build_plan(
 def masked_token_ids(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, active)``: int64 ``token_ids`` with ``IGNORE_INDEX`` at masked positions (so they cost
     no softmax gradient and need no valid id), and the bool mask of active positions (``mask != 0``).
-    int64 first: ``IGNORE_INDEX`` does not fit unsigned id dtypes (uint8 would wrap it to 156)."""
+    int64 first: ``IGNORE_INDEX`` does not fit unsigned id dtypes (uint8 would wrap it to 156).
+    Negative active ids become -1: an active id equal to ``IGNORE_INDEX`` must reach the kernels as
+    out of range (a NaN log-prob) rather than as a position to skip (an id check raises for both)."""
     active = mask != 0
-    return torch.where(active, token_ids.long(), IGNORE_INDEX), active
+    return torch.where(active, token_ids.long().clamp_min(-1), IGNORE_INDEX), active
 
 
 def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tensor]) -> TokenLossPlan:
