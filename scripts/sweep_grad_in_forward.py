@@ -1,7 +1,7 @@
 """The rule behind the option ``grad_in_forward_max_vocab``: DAPO + k3 KL fwd+bwd with the 2-pass
 gradient-in-forward path against the 3-pass path, across vocabulary sizes, on a CUDA machine.
 
-    PYTHONPATH=src python3 scripts/sweep_grad_in_forward.py
+    PYTHONPATH=src python3 scripts/sweep_grad_in_forward.py [repeats [V ...]]
 
 The trainer's call: logits = ``out[:, P - 1 : -1]`` of a ``[B, P + T, V]`` bf16 output requiring
 grad (B = 8, P = 128, T = 1024: N = 8192 scored tokens, 10 % masked), default arguments. Per V and
@@ -61,12 +61,23 @@ def measure(vocab: int, two_pass: bool) -> tuple[float, float, float]:
     return statistics.median(iso), s.elapsed_time(e) / 20, peak
 
 
+def best(vocab: int, repeats: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(3-pass, 2-pass): per column the minimum over ``repeats`` alternating measurements (each a
+    median or a mean of 20 calls)."""
+    runs = [(measure(vocab, False), measure(vocab, True)) for _ in range(repeats)]
+    return tuple(tuple(min(r[k][i] for r in runs) for i in range(3)) for k in range(2))
+
+
 def main() -> None:
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; DAPO+k3 KL, sliced logits, N = {B * T}")
+    import sys
+
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    vocabs = [int(v) for v in sys.argv[2:]] or [8192, 16384, 32768, 65536, 100000, 131072, 151936]
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; DAPO+k3 KL, sliced logits, "
+          f"N = {B * T}; best of {repeats} (3-pass and 2-pass alternate)")  # fmt: skip
     print("      V | 3-pass iso  b2b   peak | 2-pass iso  b2b   peak | 2-pass / 3-pass (b2b)")
-    for vocab in (8192, 16384, 32768, 65536, 100000, 131072, 151936):
-        r3 = measure(vocab, False)
-        r2 = measure(vocab, True)
+    for vocab in vocabs:
+        r3, r2 = best(vocab, repeats)
         row = " | ".join(f"{r[0]:6.2f} {r[1]:6.2f} {r[2]:5.2f}" for r in (r3, r2))
         print(f"{vocab:7d} | {row} | {r2[1] / r3[1]:.2f}", flush=True)
 

@@ -310,3 +310,35 @@ class TokenLossPlan:
             ADV_PER_SEQ=bool(self.adv_per_seq),
             FACTOR_PER_SEQ=bool(self.factor_per_seq),
         )
+
+    # ------------------------------------------------------------------ as custom-op arguments
+    def op_args(self) -> tuple:
+        """The plan flattened into ``torch.library`` schema types (tensors, two ``str``, ``float[]``,
+        ``int[]``), in the order of :meth:`from_op_args`: how a registered custom op
+        (``rlkernel::token_loss_from_logits``) receives it under ``torch.compile``."""
+        s = self.scalars
+        floats = [s.clip_lo, s.clip_hi, s.delta, math.nan if s.dual_clip is None else s.dual_clip,
+                  s.tau_pos, s.tau_neg, s.kl_coef, s.entropy_coef, s.norm_mult, s.denom_floor]  # fmt: skip
+        flags = [int(s.kl_straight), int(s.dual_clip is not None), int(self.seq_len), int(self.adv_per_seq),
+                 int(self.factor_per_seq), int(self.row0), int(self.ignore_index)]  # fmt: skip
+        tensors = (self.ids, self.old, self.adv, self.ref, self.rollout_w, self.factor, self.denom)
+        return (*tensors, s.loss, s.kl or "", [float(f) for f in floats], flags)
+
+    @classmethod
+    def from_op_args(
+        cls, ids, old, adv, ref, rollout_w, factor, denom, loss, kl, floats, flags
+    ) -> TokenLossPlan:
+        """The plan that :meth:`op_args` flattened."""
+        clip_lo, clip_hi, delta, dual, tau_pos, tau_neg, kl_coef, entropy_coef, norm_mult, floor = floats
+        kl_straight, has_dual, seq_len, adv_per_seq, factor_per_seq, row0, ignore_index = flags
+        scalars = TokenLossScalars(
+            loss=loss, clip_lo=clip_lo, clip_hi=clip_hi, delta=delta,
+            dual_clip=dual if has_dual else None, tau_pos=tau_pos, tau_neg=tau_neg,
+            kl=kl or None, kl_straight=bool(kl_straight), kl_coef=kl_coef,
+            entropy_coef=entropy_coef, norm_mult=norm_mult, denom_floor=floor,
+        )  # fmt: skip
+        return cls(
+            ids=ids, old=old, adv=adv, ref=ref, rollout_w=rollout_w, factor=factor, denom=denom,
+            scalars=scalars, seq_len=seq_len, adv_per_seq=bool(adv_per_seq),
+            factor_per_seq=bool(factor_per_seq), row0=row0, ignore_index=ignore_index,
+        )  # fmt: skip

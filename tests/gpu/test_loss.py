@@ -315,3 +315,26 @@ def test_forward_backward_captured_in_a_cuda_graph_replays_with_new_inputs(input
     (g_want,) = torch.autograd.grad(want.loss, fresh.logits)
     assert torch.equal(loss_out, want.loss.detach()), (loss_out, want.loss)
     assert torch.equal(grad_out, g_want)
+
+
+@pytest.mark.parametrize("label", ["dapo+kl", "sapo"])
+def test_torch_compile_fullgraph_keeps_the_fused_op(inputs, label):
+    """``torch.compile(fullgraph=True)`` (Inductor) of a forward + backward with ``validate=False``
+    (the id check is eager-only): the token-level objective runs as the registered custom op
+    ``rlkernel::token_loss_from_logits``; loss and logits gradient equal the eager fused call's."""
+    preset, overrides, _ = CONFIGS[label]
+    cfg = rk.PolicyLossConfig.preset(preset, **overrides)
+
+    def step(logits, ids, mask, old, ref, adv):
+        out = rk.fused_policy_loss(cfg, logits=logits, token_ids=ids, mask=mask, old_logp=old,
+                                   ref_logp=ref if cfg.kl_coef > 0 else None, advantages=adv,
+                                   temperature=TEMPERATURE, validate=False)  # fmt: skip
+        return out.loss
+
+    args = (inputs.ids, inputs.mask, inputs.old_logp, inputs.ref_logp, inputs.advantages)
+    want = step(inputs.logits, *args)
+    (g_want,) = torch.autograd.grad(want, inputs.logits)
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(inputs.logits, *args)
+    (g_got,) = torch.autograd.grad(got, inputs.logits)
+    assert_same_loss_and_grad(SimpleNamespace(loss=got), g_got, SimpleNamespace(loss=want), g_want)

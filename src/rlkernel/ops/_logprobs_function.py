@@ -6,6 +6,9 @@ traces calls to them instead of breaking the graph at a Triton launch:
     rlkernel::token_logprobs_fwd          (logits, ids, ...) -> (logp, entropy, lse)     functional
     rlkernel::token_logprobs_bwd          (logits, ids, lse, entropy, g_logp, g_H, ...) -> grad
     rlkernel::token_logprobs_bwd_inplace  same inputs, writes the gradient into ``logits`` (mutates)
+    rlkernel::token_loss_from_logits      (logits, token-level plan) -> (loss, logp, entropy, lse,
+                                          dL/dlogp, dL/dH); differentiable in logits (its backward
+                                          is rlkernel::token_logprobs_bwd with those coefficients)
 
 Each has a fake (meta) implementation for tracing. ``TokenLogprobsFunction`` binds them into
 autograd; ``rlkernel.ops.logprobs.token_logprobs`` calls it when the dispatcher picks "triton".
@@ -405,3 +408,86 @@ def token_loss_grad_in_forward_triton(logits: torch.Tensor, plan, *, temperature
     base that requires grad: the buffer and the returned gradient are the base's)."""
     source, window = _base_and_window(logits)
     return TokenLossGradInForwardFunction.apply(source, plan, float(temperature), window)
+
+
+# ------------------------------------------------------- the fused token-level loss under compile
+@torch.library.custom_op("rlkernel::token_loss_from_logits", mutates_args=())
+def _token_loss_op(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    ref: torch.Tensor | None,
+    rollout_w: torch.Tensor | None,
+    factor: torch.Tensor | None,
+    denom: torch.Tensor | None,
+    loss: str,
+    kl: str,
+    floats: list[float],
+    flags: list[int],
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from rlkernel._token_loss_plan import TokenLossPlan
+    from rlkernel.ops.token_loss import token_loss
+
+    plan = TokenLossPlan.from_op_args(ids, old, adv, ref, rollout_w, factor, denom, loss, kl, floats, flags)
+    x = kernels.as_kernel_layout(logits)
+    want = plan.want_entropy
+    logp, entropy, lse = kernels.token_logprobs_fwd(
+        x, ids.view(x.shape[:-1]), temperature=temperature, ignore_index=flags[6], return_entropy=want
+    )
+    terms = token_loss(plan, logp, entropy if want else None, backend="triton")
+    g_entropy = terms.g_entropy if want else logp.new_empty(0)
+    return terms.loss, logp, entropy, lse, terms.g_logp, g_entropy
+
+
+@_token_loss_op.register_fake
+def _(logits, ids, old, adv, ref, rollout_w, factor, denom, loss, kl, floats, flags, temperature):
+    lead, n = logits.shape[:-1], ids.numel()
+    want = floats[7] != 0  # entropy_coef (TokenLossPlan.op_args order)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return (
+        torch.empty((), **f32),
+        torch.empty(lead, **f32),
+        torch.empty(lead if want else (0,), **f32),
+        torch.empty(lead, **f32),
+        torch.empty(n, **f32),
+        torch.empty(n if want else 0, **f32),
+    )
+
+
+def _token_loss_setup(ctx, inputs, output):
+    logits, ids = inputs[0], inputs[1]
+    _, _, entropy, lse, g_logp, g_entropy = output
+    ctx.save_for_backward(logits, ids, lse, entropy, g_logp, g_entropy)
+    floats, flags, ctx.temperature = inputs[10:13]  # TokenLossPlan.op_args order
+    ctx.want_entropy = floats[7] != 0  # entropy_coef
+    ctx.ignore_index = flags[6]
+
+
+def _token_loss_backward(ctx, grad_loss, *unused):
+    logits, ids, lse, entropy, g_logp, g_entropy = ctx.saved_tensors
+    lead = logits.shape[:-1]
+    g_h = (g_entropy * grad_loss).view(lead) if ctx.want_entropy else None
+    grad = torch.ops.rlkernel.token_logprobs_bwd(
+        logits, ids.view(lead), lse, entropy, (g_logp * grad_loss).view(lead), g_h,
+        ctx.temperature, ctx.ignore_index,
+    )  # fmt: skip
+    return (grad,) + (None,) * 12
+
+
+torch.library.register_autograd(
+    "rlkernel::token_loss_from_logits", _token_loss_backward, setup_context=_token_loss_setup
+)
+
+
+def token_loss_traced(logits: torch.Tensor, plan, *, temperature: float):
+    """``(loss, logp, entropy)`` of a token-level plan as ONE registered custom op, for code traced
+    by ``torch.compile`` (fullgraph: no graph break, the loss stays fused): the log-prob and
+    token-loss kernels forward, the log-prob backward kernel with the coefficients times the
+    upstream gradient backward (3 passes over the logits; the eager path's window and in-place
+    routes do not apply under tracing)."""
+    loss, logp, entropy, _, _, _ = torch.ops.rlkernel.token_loss_from_logits(
+        logits, *plan.op_args(), float(temperature)
+    )
+    return loss, logp.detach(), entropy.detach()

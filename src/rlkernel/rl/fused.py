@@ -77,11 +77,9 @@ IGNORE_INDEX = token_loss.IGNORE_INDEX
 
 def _token_level(cfg: PolicyLossConfig, x: object, opts: Options) -> bool:
     """Whether a call whose logits (or hidden states) are ``x`` takes a fused token-level path: the
-    option ``token_level_fusion``, an eligible objective, eager mode, and the Triton backend for
-    ``x`` (see the module docstring)."""
+    option ``token_level_fusion``, an eligible objective, and the Triton backend for ``x`` (see the
+    module docstring; under ``torch.compile`` the logits path is one registered custom op)."""
     if not opts.token_level_fusion or not isinstance(x, torch.Tensor) or not token_loss.is_eligible(cfg):
-        return False
-    if torch.compiler.is_compiling():
         return False
     has_kernel = x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     return _dispatch.resolve_backend(x.device, has_kernel=has_kernel) == "triton"
@@ -102,6 +100,8 @@ def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object, o
     """Whether a hidden-state call takes the fused linear path (gradient computed while each
     chunk's logits are live: 3 GEMMs instead of 4; see rlkernel.ops._linear_function)."""
     if not isinstance(weight, torch.Tensor) or not isinstance(hidden, torch.Tensor):
+        return False
+    if torch.compiler.is_compiling():  # the chunk engine is eager-only: the composed path is traced
         return False
     # A dtype mismatch takes the primitive path, which raises the clear error.
     return weight.dtype == hidden.dtype and _token_level(cfg, hidden, opts)
@@ -234,6 +234,8 @@ def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_g
          inplace_backward, opts) -> PolicyLossOutput:  # fmt: skip
     """The path of a checked call (see the module docstring)."""
     ids = masked_ids[0]
+    if _token_level(cfg, logits, opts) and torch.compiler.is_compiling():
+        return _fused_token_level_traced(logits, masked_ids, batch, temperature)
     if _token_level(cfg, logits, opts):
         two_pass = opts.grad_in_forward_max_vocab
         return _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass)
@@ -293,6 +295,16 @@ def _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward,
         logits, source, temperature=temperature, inplace_backward=inplace_backward
     )
     return _output(loss, logp, entropy if want_entropy else None, batch)
+
+
+def _fused_token_level_traced(logits, masked_ids, batch, temperature):
+    """The eligible-config logits path inside ``torch.compile``: the plan's torch ops are traced,
+    the kernels are one registered custom op (``rlkernel::token_loss_from_logits``); metrics lazy."""
+    from rlkernel.ops import _logprobs_function as fn
+
+    plan = token_loss.plan_from_batch(batch, masked_ids)
+    loss, logp, entropy = fn.token_loss_traced(logits, plan, temperature=temperature)
+    return _output(loss, logp, entropy if plan.want_entropy else None, batch)
 
 
 def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward):
