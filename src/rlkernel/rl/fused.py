@@ -29,7 +29,7 @@ two log-prob kernels (forward statistics; one backward launch with per-token coe
 between them the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the
 forward (``rl.fused._fused_autograd_coefficients``), so its host time overlaps the forward kernel
 and the backward is one launch. The hidden-state path of these objectives, fp64 logits, the
-reference backend and ``torch.compile`` tracing keep the composed path. All give the same loss,
+reference backend and ``torch.compile`` tracing of them keep the composed path. All give the same loss,
 gradients (to fp32 rounding) and metrics.
 
 Masked positions are sent to the primitive as ``ignore_index`` (their ids may be garbage such as -1 or
@@ -41,8 +41,11 @@ Caveats:
       are fine.
     * ``tp_group`` (vocab-parallel LM head) is forwarded to ``linear_token_logprobs`` and works only
       on the hidden-state path.
-    * The fused paths run eagerly only; inside ``torch.compile`` the composed path is traced
-      instead (the token-loss kernel is not registered as a custom op yet).
+    * Inside ``torch.compile`` a token-level objective's logits path is one registered custom op
+      (``rlkernel::token_loss_from_logits``, 3 passes); the coefficient path, the
+      gradient-in-forward route and the hidden-state chunk engine are eager-only (the composed path
+      is traced for them). The id check is eager-only: pass ``validate=False`` under
+      ``fullgraph=True``.
     * The fused paths' backward is not itself differentiable (no ``create_graph`` double backward).
     * With ``validate=True`` on CUDA (Triton path) the id check is queued after the loss's kernels
       and read later (``rlkernel._deferred_checks``): no host sync.
