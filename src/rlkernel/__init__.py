@@ -12,10 +12,10 @@ Public API (see docs/ and DESIGN.md):
     raise_pending_errors                            raise a deferred token-id error now (CUDA)
 """
 
-from rlkernel._deferred_checks import raise_pending_errors
 from rlkernel._dispatch import use_backend
 from rlkernel._options import MatmulThresholds, Options, current_options, use_options
 from rlkernel.distributed import global_normalizers
+from rlkernel.ops.id_checks import raise_pending_errors
 from rlkernel.ops.logprobs import linear_token_logprobs, token_logprobs
 from rlkernel.rl import (
     PolicyLossConfig,

@@ -151,7 +151,7 @@ def choice(name: str, value: object, choices: Iterable[object]) -> object:
 def token_ids_in_range(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
     """Every id is in ``[0, vocab_size)`` or equals ``ignore_index`` (``None``: no id is exempt).
 
-    Costs one host sync (``rlkernel._deferred_checks`` has the sync-free form for CUDA)."""
+    Costs one host sync (``rlkernel.ops.id_checks`` has the sync-free form for CUDA)."""
     if ids.numel() == 0:
         return
     bad = (ids < 0) | (ids >= vocab_size)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel import _deferred_checks as deferred
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel.ops import id_checks
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.reference import logprobs as ref
 
@@ -87,7 +87,7 @@ def token_logprobs(
         raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
     if validate:
         defer = _dispatch.resolve_backend(logits.device, has_kernel=logits.dtype != torch.float64) == "triton"
-        deferred.check_token_ids("token_ids", ids, vocab, ignore_index, defer=defer)
+        id_checks.check_token_ids("token_ids", ids, vocab, ignore_index, defer=defer)
     return token_logprobs_checked(
         logits,
         ids,
@@ -182,7 +182,7 @@ def linear_token_logprobs(
     ids = check_linear_inputs(hidden, weight, token_ids, bias, temperature, ignore_index)
     if validate:
         backend = _dispatch.resolve_backend(hidden.device, has_kernel=_linear_kernel_available(hidden.dtype))
-        deferred.check_token_ids("token_ids", ids, weight.shape[0], ignore_index, defer=backend == "triton")
+        id_checks.check_token_ids("token_ids", ids, weight.shape[0], ignore_index, defer=backend == "triton")
     return linear_token_logprobs_checked(
         hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
         return_entropy=return_entropy,

@@ -48,7 +48,7 @@ Caveats:
       ``fullgraph=True``.
     * The fused paths' backward is not itself differentiable (no ``create_graph`` double backward).
     * With ``validate=True`` on CUDA (Triton path) the id check is queued after the loss's kernels
-      and read later (``rlkernel._deferred_checks``): no host sync.
+      and read later (``rlkernel.ops.id_checks``): no host sync.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ import functools
 
 import torch
 
-from rlkernel import _deferred_checks as deferred
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import Options, current_options
+from rlkernel.ops import id_checks
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
     linear_token_logprobs,
@@ -219,7 +219,7 @@ def fused_policy_loss(
         x = logits if logits is not None else hidden
         deferred_ok = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64) == "triton"
         check_ids = functools.partial(
-            deferred.check_token_ids, "token_ids (at active mask positions)", token_ids, vocab, None,
+            id_checks.check_token_ids, "token_ids (at active mask positions)", token_ids, vocab, None,
             defer=deferred_ok, active=active,
         )  # fmt: skip
         if not deferred_ok or x.device.type != "cuda":

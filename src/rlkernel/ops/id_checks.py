@@ -5,8 +5,9 @@ Why: the default ``validate=True`` of the log-prob ops and ``fused_policy_loss``
 check's result at once (``bool(bad.any())``): one host sync per call, which stalls the launch queue
 whenever the CPU runs ahead of the GPU (a training step's normal state). Now, on a CUDA device:
 
-    call k      a few small device ops count the out-of-range ids and find the first one; the two
-                numbers are copied (non-blocking) into pinned host memory, with an event behind them
+    call k      one kernel (``rlkernel.kernels.ids``) counts the out-of-range ids and finds the first
+                one, queued after the call's own kernels; the two numbers are copied (non-blocking)
+                into pinned host memory, with an event behind them
     later       the error of call k is raised (``ValueError``, naming the argument, the count and
                 the first bad id) by the first of:
                   * any later call of a checking rlkernel op (``token_logprobs``,
@@ -40,7 +41,7 @@ class _Pending:
     what: str  # the argument, as the error names it
     vocab_size: int
     ignore_index: int | None
-    host: torch.Tensor  # pinned int64 [2]: count, first bad id
+    host: torch.Tensor  # pinned int64 [2]: count, first-bad key (rlkernel.kernels.ids)
     done: torch.cuda.Event
 
 
@@ -71,10 +72,13 @@ def raise_pending_errors(wait: bool = True) -> None:
     for p in ready:
         if wait:
             p.done.synchronize()
-        count, first = (int(v) for v in p.host.tolist())
+        count, key = (int(v) for v in p.host.tolist())
         with _lock:
             _free_buffers.append(p.host)
         if count:
+            from rlkernel.kernels.ids import decode_first
+
+            first = decode_first(key)[1]
             raise ValueError(check.token_ids_message(p.what, count, p.vocab_size, p.ignore_index, first))
 
 
@@ -111,16 +115,9 @@ def check_token_ids(
     raise_pending_errors(wait=False)
     if ids.numel() == 0:
         return
-    flat = ids.reshape(-1)
-    bad = flat.clamp(0, vocab_size - 1) != flat
-    if ignore_index is not None:
-        bad &= flat != ignore_index
-    if active is not None:
-        bad &= active.reshape(-1)
-    # The first bad id sits at the argmax of the mask (its first True; 0 when none, never read).
-    # index_select, not flat[t]: indexing with a 0-d tensor would read it on the host (a sync).
-    first = flat.index_select(0, bad.to(torch.uint8).argmax().view(1))
-    stats = torch.cat((bad.sum().view(1), first.to(torch.int64)))
+    from rlkernel.kernels.ids import bad_id_stats
+
+    stats = bad_id_stats(ids, vocab_size, ignore_index, active)
     with _lock:
         host = _free_buffers.pop() if _free_buffers else None
     if host is None:

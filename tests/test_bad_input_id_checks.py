@@ -1,4 +1,4 @@
-"""The bookkeeping of rlkernel._deferred_checks on the CPU: pending checks are read when their
+"""The bookkeeping of rlkernel.ops.id_checks on the CPU: pending checks are read when their
 event has completed (polled) or waited for, raise once, in order, with the argument's name, the count
 and the first bad id; on the CPU the check raises inside the call. (On CUDA, tests/gpu/test_loss.py
 checks the real thing: no host sync, NaN at once, the error at the next call.)"""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlkernel as rk
-from rlkernel import _deferred_checks as deferred
+from rlkernel.ops import id_checks as deferred
 
 COVERED = [rk.raise_pending_errors]
 
@@ -38,7 +38,8 @@ def pending(monkeypatch):
 
 def add(pending, count: int, first: int, done: bool, what="token_ids") -> FakeEvent:
     event = FakeEvent(done)
-    pending.append(deferred._Pending(what, 50, -100, torch.tensor([count, first]), event))
+    key = (7 << 32) | (first + 2**31)  # the kernel's encoding: index 7, the id offset by 2^31
+    pending.append(deferred._Pending(what, 50, -100, torch.tensor([count, key]), event))
     return event
 
 
