@@ -9,6 +9,8 @@ import torch
 
 from rlkernel.kernels import ids as kernel
 
+from .conftest import DEVICE
+
 V = 50
 
 
@@ -36,7 +38,8 @@ def test_bad_id_stats_match_reference(n, ignore_index, with_active, dtype):
     ids = torch.where((pick > 0.97), -100, ids)
     ids = torch.where((pick > 0.5) & (pick < 0.51), -3, ids).to(dtype)
     active = torch.rand(n, generator=g) > 0.3 if with_active else None
-    stats = kernel.bad_id_stats(ids, V, ignore_index, active).tolist()
+    on = (lambda t: t.to(DEVICE)) if DEVICE != "cpu" else (lambda t: t)
+    stats = kernel.bad_id_stats(on(ids), V, ignore_index, None if active is None else on(active)).tolist()
     count, first = reference(ids, V, ignore_index, active)
     assert stats[0] == count
     if first is None:
@@ -46,12 +49,12 @@ def test_bad_id_stats_match_reference(n, ignore_index, with_active, dtype):
 
 
 def test_no_bad_id_and_empty():
-    ids = torch.randint(0, V, (3, 5))
+    ids = torch.randint(0, V, (3, 5)).to(DEVICE)
     assert kernel.bad_id_stats(ids, V, None, None).tolist() == [0, kernel.NO_BAD_ID]
     assert kernel.bad_id_stats(ids[:0], V, None, None).tolist() == [0, kernel.NO_BAD_ID]
 
 
 def test_wild_ids_are_reported_clamped_to_int32():
-    ids = torch.tensor([3, 2**40, -(2**40)])
+    ids = torch.tensor([3, 2**40, -(2**40)], device=DEVICE)
     stats = kernel.bad_id_stats(ids, V, None, None).tolist()
     assert stats[0] == 2 and kernel.decode_first(stats[1]) == (1, 2**31 - 1)
