@@ -26,7 +26,7 @@ from .formulas import clamp
 MORE_LOSS_CONFIGS = {
     "vespo": dict(loss_type="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
                   vespo_lambda_neg=2.0),
-    "vespo_geo": dict(loss_type="vespo", seq_ratio="geo_mean", vespo_k_pos=1.5, vespo_lambda_neg=0.5),
+    "vespo_geo": dict(loss_type="vespo", seq_ratio="geo_mean", vespo_k_pos=1.5, vespo_lambda_neg=0.0),
     "dppo_tv": dict(loss_type="dppo_tv", clip_low=0.05, clip_high=0.08, dppo_ratio_cap=1.6),
     "dppo_kl": dict(loss_type="dppo_kl", clip_low=0.02, clip_high=0.03, dppo_ratio_cap=None),
     "clip_cov": dict(loss_type="clip_cov", clip_low=0.2, clip_high=0.28, clip_cov_ratio=0.3, clip_cov_lb=-0.5,

@@ -266,3 +266,39 @@ def test_new_types_are_not_eligible_for_the_token_level_plan(name):
             advantages=batch["advantages"],
             mask=batch["mask"],
         )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_exact_zero_advantages_match_formula(name):
+    # A = 0 picks a branch: vespo's (k, λ) of A ≥ 0, dppo's trust region of A ≤ 0 (verl's).
+    batch = make_batch(4, 6, seed=12, per_token_adv=True)
+    batch["advantages"][:, ::2] = 0.0
+    batch["advantages"][3] = 0.0
+    check(cfg_of(name, aggregation="seq-mean-token-mean"), batch)
+
+
+@pytest.mark.parametrize("loss_type", ["dppo_tv", "dppo_kl"])
+def test_dppo_clip_fractions_follow_the_formula(loss_type):
+    """clip_frac_high: tokens with A > 0 outside the region; clip_frac_low: A ≤ 0 ones (verl puts
+    A = 0 on the negative side)."""
+    from .formulas import sequences_from_padded
+    from .formulas_more import dppo_valid
+
+    batch = make_batch(5, 7, seed=19, per_token_adv=True)
+    batch["advantages"][:, ::3] = 0.0
+    cfg = cfg_of(loss_type, clip_low=0.005, clip_high=0.01) if loss_type == "dppo_kl" else cfg_of(loss_type)
+    out = library(cfg, batch)
+    seqs = sequences_from_padded(
+        batch["mask"], logp=batch["logp"].detach(), old=batch["old_logp"], adv=batch["advantages"]
+    )
+    low = high = n = 0
+    for s in seqs:
+        for t in range(s["mask"].shape[0]):
+            if not s["mask"][t]:
+                continue
+            n += 1
+            if not dppo_valid(cfg, s["logp"][t], s["old"][t], s["adv"][t]):
+                high, low = (high + 1, low) if s["adv"][t] > 0 else (high, low + 1)
+    assert low > 0 and high > 0
+    assert_close(out.metrics["clip_frac_low"], torch.tensor(low / n, dtype=torch.float64))
+    assert_close(out.metrics["clip_frac_high"], torch.tensor(high / n, dtype=torch.float64))
