@@ -58,6 +58,32 @@ What each reproduces, and where verl and TRL differ (verl ``actor_rollout_ref.ac
   B rows (also empty ones); ``seq-mean-token-mean`` is the same without empty rows (pass
   ``global_seqs=B`` to count them). TRL has no GMPO.
 
+Loss types without a preset (issue 14; formulas in :mod:`rlkernel.rl.objectives`), and the
+framework settings they reproduce:
+
+* ``vespo`` — TRL ``loss_type="vespo"``: ℓ = −sg[φ(w_i)]·A·logp with the Gamma weight
+  φ(w) = e^λ·w^k·e^{−λw} of the sequence ratio w_i = exp(Σ_t m·lr) (``seq_ratio="product"``, the
+  default for vespo). Fields ↔ TRL: ``vespo_k_pos``/``vespo_lambda_pos``/``vespo_k_neg``/
+  ``vespo_lambda_neg`` ↔ the same names (defaults 2, 3, 3, 2); TRL's normalizer is the step's token
+  count: ``aggregation="token-mean"`` with ``global_tokens``. TRL's vLLM importance ratio
+  (``vllm_importance_sampling_mode``) is folded into w_i, not multiplied into the loss: here
+  ``rollout_correction`` does the same for vespo (``token_truncate`` ↔ ``token_tis``, ``token_mask``
+  ↔ ``token_mis``, ``sequence_*`` ↔ ``seq_*``, ``vllm_importance_sampling_clip_min``/``_max``
+  ↔ ``rollout_clip_min``/``rollout_clip_max``).
+* ``dppo_tv`` / ``dppo_kl`` — verl ``policy_loss.loss_mode=dppo_tv|dppo_kl`` (DPPO-Binary-TV/-KL):
+  ℓ = −A·sg[min(r, c)]·logp·sg[in trust region]. verl's ``clip_ratio_low``/``clip_ratio_high`` (the
+  divergence thresholds) ↔ ``clip_low``/``clip_high``; verl's ``clip_ratio_c`` (ActorConfig default
+  3.0; the function's own fallback 20.0) ↔ ``dppo_ratio_cap`` (default 20.0).
+* ``clip_cov`` / ``kl_cov`` — verl ``loss_mode=clip_cov|kl_cov``: ``clip_cov_ratio``,
+  ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio`` ↔ the same names, ``kl_cov_coef`` ↔
+  ``ppo_kl_coef`` (verl's PolicyLossConfig default 0.1); clip bounds as for ``ppo``. The token
+  selection is verl's, random draw included (:mod:`rlkernel.rl.covariance`).
+* ``dro`` — verl ``loss_mode=dro``: ℓ = −(A·logp − ½β·lr²), ``dro_beta`` ↔ ``dro_beta`` (required).
+* ``token-sum`` — verl ``loss_agg_mode=token-sum`` (Σ m·ℓ; verl's × dp_size is the caller's).
+* ``kl_ratio_weighted`` — TRL ``use_bias_correction_kl`` (the KL term times the importance ratio,
+  not detached); ``seq_ratio`` — the sequence ratio's convention (TRL's and verl's GSPO use
+  ``geo_mean``; TRL's VESPO and the sequence-level rollout corrections use the product).
+
 Caveats:
     * Presets describe the loss only; advantages (``group_advantages``), dynamic sampling, reward
       shaping and the global normalizers of a distributed step are the caller's.

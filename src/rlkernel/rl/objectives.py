@@ -12,6 +12,21 @@ n_i = Σ_t m, sg = stop-gradient, clip(x) = clamp(x, 1 − ε_low, 1 + ε_high).
     gmpo        lr' = min(lr, ε_high) if A > 0, max(lr, −ε_low) if A < 0, 0 if A = 0;
                 ℓ_i = −A_i·exp(Σ_t m·lr' / n_i), broadcast to tokens
     reinforce   ℓ = −A·logp
+    vespo       log w_i = clamp(Σ_t m·clamp(lr, ±20), log 1e-8, 20)   (rollout: + Σ_t m·clamp(log ω_t))
+                φ = exp(λ + k·log w_i − λ·w_i),  (k, λ) = (k_pos, λ_pos) if A ≥ 0 else (k_neg, λ_neg)
+                ℓ = −sg[φ]·A·logp
+    dppo_tv     ℓ = −A·sg[min(r, c)]·logp·sg[v],  v = (p − p_old ≤ δ_high) if A > 0
+                                                      else (p − p_old ≥ −δ_low),  p = e^logp
+    dppo_kl     the same with v = (D ≤ δ_high or p ≤ p_old) if A > 0 else (D ≤ δ_low or p ≥ p_old),
+                D = p_old·(old − logp) + (1 − p_old)·log((1 − p_old + 1e-8) / (1 − p + 1e-8))
+    clip_cov    ℓ = max(−A·r, −A·clip(r))·(1 − cut),  r unclamped; cut: k random tokens with
+                lb < cov < ub, not PPO-clipped (:mod:`rlkernel.rl.covariance`)
+    kl_cov      ℓ = −A·r + kl_cov_coef·|lr|·top,  r unclamped; top: the k largest cov
+    dro         ℓ = −(A·logp − ½β·lr²)
+
+``seq_ratio`` changes the sequence ratio of gspo, gspo_token (default ``geo_mean``: Σ/n_i) and vespo
+(default ``product``: Σ). δ_low, δ_high are ``clip_low``, ``clip_high``; c is ``dppo_ratio_cap``;
+β is ``dro_beta``; k, λ are the ``vespo_*`` fields; ``clip_cov_*``, ``kl_cov_*`` as named.
 
 All variants share two helpers: :func:`token_ratio` (the guarded exponential) and
 :func:`clipped_surrogate` (the PPO max/clip with optional δ cap and dual clip), used by ppo, gspo and
@@ -20,13 +35,18 @@ the sequence's tokens, so that every aggregation mode applies to them unchanged 
 ``seq-mean-token-mean`` the loss is the mean of ℓ_i).
 
 Provenance: verl ``core_algos`` (``compute_policy_loss_vanilla`` / ``_gspo`` / ``_cispo`` / ``_sapo`` /
-``_geo_mean``), TRL ``GRPOTrainer._compute_loss`` (``delta``, sequence-level importance sampling,
-``cispo``, ``sapo``), and the PPO, GSPO, CISPO (MiniMax-M1), SAPO and GMPO papers.
+``_geo_mean`` / ``_dppo_tv`` / ``_dppo_kl`` / ``_clip_cov`` / ``_kl_cov`` / ``_dro``), TRL
+``GRPOTrainer._compute_loss`` (``delta``, sequence-level importance sampling, ``cispo``, ``sapo``,
+``vespo`` and its ``get_gamma_weights``), and the PPO, GSPO, CISPO (MiniMax-M1), SAPO, GMPO, VESPO,
+DPPO and Clip-Cov/KL-Cov papers.
 
 Caveats (verl's numerical guards, reproduced):
     * ppo, cispo and sapo clamp lr to [−20, 20] before the exponential (gradient 0 beyond); TRL does
       not clamp. gmpo and reinforce use lr unclamped, as verl does.
     * gspo and gspo_token clamp log s from above at 10 (s ≤ e^10 ≈ 22026), as verl's gspo does.
+    * dppo_* clamp lr to ±20 (the weight r) like ppo; clip_cov, kl_cov and dro use lr unclamped, as
+      verl does. vespo's clamps are TRL's (±20 per token, [log 1e-8, 20] for log w, λ ≥ 1e-4);
+      TRL zeroes a φ that is NaN or ±inf, here only +inf is zeroed (NaN inputs must give NaN).
     * gmpo follows verl's ``geo_mean`` exactly, including tokens with A = 0 contributing lr' = 0 to
       the geometric mean (they pull s_i towards 1) and clipping decided per token by sign(A).
     * The value at a masked position is finite but meaningless; the aggregation masks it.
