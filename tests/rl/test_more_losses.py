@@ -302,3 +302,27 @@ def test_dppo_clip_fractions_follow_the_formula(loss_type):
     assert low > 0 and high > 0
     assert_close(out.metrics["clip_frac_low"], torch.tensor(low / n, dtype=torch.float64))
     assert_close(out.metrics["clip_frac_high"], torch.tensor(high / n, dtype=torch.float64))
+
+
+@pytest.mark.filterwarnings("ignore")  # dynamo's notes on the graph breaks of clip_cov / kl_cov
+@pytest.mark.parametrize("name", ["vespo", "dppo_kl", "dro", "kl_cov"])  # compiling costs seconds each
+def test_under_torch_compile(name):
+    """Traced by torch.compile: in one graph (fullgraph) where the loss needs no host value; with
+    graph breaks at the host reads of the covariance selections (clip_cov, kl_cov)."""
+    cfg = cfg_of(name, kl_coef=0.1, kl_ratio_weighted=name == "dro")
+    batch = make_batch(4, 6, seed=21)
+    fullgraph = name not in ("clip_cov", "kl_cov")
+    torch._dynamo.reset()  # each config compiles afresh (no cached graph from another test)
+
+    def loss_of(logp):
+        return rk.policy_loss(
+            logp, batch["old_logp"], batch["advantages"], batch["mask"], cfg, ref_logp=batch["ref_logp"]
+        ).loss
+
+    compiled = torch.compile(loss_of, backend="aot_eager", fullgraph=fullgraph)
+    torch.manual_seed(SEED)
+    got = compiled(batch["logp"])
+    torch.manual_seed(SEED)
+    want = loss_of(batch["logp"])
+    assert_close(got, want)
+    assert_close(torch.autograd.grad(got, batch["logp"])[0], torch.autograd.grad(want, batch["logp"])[0])
