@@ -35,13 +35,23 @@ Metrics (detached 0-dim tensors, no host sync; over the active tokens of this ca
     rollout_weight_mean              (with a rollout correction) mean of the applied weight
     rollout_frac_truncated           (TIS) fraction of tokens whose ρ was truncated
     rollout_frac_masked              (MIS) fraction of tokens whose ρ was rejected
+    vespo_phi_mean                   (vespo) mean Gamma weight φ over the active tokens
+    cov_frac                         (clip_cov / kl_cov) fraction of tokens cut / penalized
 
 For ``gspo`` and ``gspo_token`` the clip fractions and ratio statistics are over sequences (those with
-at least one active token) and about the sequence ratio s_i, the quantity that is clipped.
+at least one active token) and about the sequence ratio s_i, the quantity that is clipped (``vespo``:
+its ratio w_i, clip fractions 0). For ``dppo_*`` the clip fractions are the tokens outside the trust
+region, by sign(A).
+
+With ``cfg.kl_ratio_weighted`` the KL term (and ``kl_ref``) is KL·ρ, ρ the loss type's importance
+ratio (:func:`rlkernel.rl.objectives.importance_ratio`, differentiable, as TRL's
+``use_bias_correction_kl``).
 
 Caveats:
     * Metrics are local to the call (micro-batch), not normalized globally; average them as you log.
     * ``rollout_logp`` is ignored when ``cfg.rollout_correction`` is ``None``.
+    * ``clip_cov`` and ``kl_cov`` read counts and selections on the host (a sync, as verl), and
+      ``clip_cov`` draws from torch's default CPU generator (:mod:`rlkernel.rl.covariance`).
     * Packed input whose token count equals its sequence count makes ``advantages`` of shape ``[N]``
       ambiguous; it is read per token (equal to per sequence when every sequence has one token).
 """

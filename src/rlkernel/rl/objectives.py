@@ -82,7 +82,7 @@ class PolicyTerm:
     Attributes:
         loss: ``[S, L]`` per-token policy loss (differentiable in logp).
         ratio: the importance ratio the objective clips, detached: ``[S, L]`` per token, or ``[S]``
-            per sequence for gspo/gspo_token.
+            per sequence for gspo/gspo_token/vespo.
         ratio_mask: bool, the shape of ``ratio``: the entries that count (active tokens / sequences).
         clipped_low, clipped_high: bool, the shape of ``ratio``: where the lower / upper clip is active.
         clipped_dual: bool ``[S, L]`` where the dual clip is active, or ``None`` without dual clip.
