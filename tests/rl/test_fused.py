@@ -5,9 +5,19 @@ import torch
 
 import rlkernel as rk
 
+from .formulas_more import MORE_LOSS_CONFIGS
 from .helpers import LOSS_CONFIGS, config, make_batch
 
 VOCAB, HIDDEN = 13, 8
+# Every loss type, plus the issue-14 loss types and options (none of them takes the token-level
+# plan except token-sum with an eligible loss type; the fused call must equal the composition).
+FUSED_CONFIGS = {
+    **LOSS_CONFIGS,
+    **MORE_LOSS_CONFIGS,
+    "ppo_kl_ratio_weighted": {**LOSS_CONFIGS["ppo"], "kl_ratio_weighted": True},
+    "gspo_kl_ratio_weighted": {**LOSS_CONFIGS["gspo"], "kl_ratio_weighted": True},
+    "cispo_token_sum": {**LOSS_CONFIGS["cispo"], "aggregation": "token-sum"},
+}
 
 
 def _problem(seed=0, packed=False):
@@ -88,13 +98,21 @@ def _fused(cfg, p, source, temperature):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("source", ["logits", "hidden"])
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", list(FUSED_CONFIGS))
 def test_fused_equals_composition(name, source, packed):
-    cfg = config(
-        name, kl_coef=0.1, entropy_coef=0.02 if name != "reinforce" else 0.0, rollout_correction="token_tis"
+    cfg = rk.PolicyLossConfig(
+        **{
+            **FUSED_CONFIGS[name],
+            "kl_coef": 0.1,
+            "entropy_coef": 0.02 if name != "reinforce" else 0.0,
+            "rollout_correction": "token_tis",
+        }
     )
     p = _problem(seed=len(name), packed=packed)
-    fused, composed = _fused(cfg, p, source, 0.7), _composed(cfg, p, source, 0.7)
+    torch.manual_seed(0)  # clip_cov draws its tokens from the default generator: the same draw twice
+    fused = _fused(cfg, p, source, 0.7)
+    torch.manual_seed(0)
+    composed = _composed(cfg, p, source, 0.7)
     torch.testing.assert_close(fused.loss, composed.loss, atol=1e-12, rtol=1e-12)
     assert fused.metrics.keys() == composed.metrics.keys()
     leaves = [p["logits"]] if source == "logits" else [p["hidden"], p["weight"], p["bias"]]
@@ -351,6 +369,23 @@ def test_sequence_level_all_masked_gives_zero_loss_and_gradient():
         out = _fused(config("gmpo", entropy_coef=0.1), p, "logits", 1.0)
         (grad,) = torch.autograd.grad(out.loss, p["logits"])
     assert out.loss.item() == 0.0 and torch.count_nonzero(grad) == 0
+
+
+@interpreter_quiet
+@pytest.mark.parametrize("name", [*MORE_LOSS_CONFIGS, "ppo_kl_ratio_weighted"])
+def test_issue14_types_keep_the_composed_path(name, monkeypatch, set_options):
+    calls = _token_path_spy(monkeypatch, set_options)
+    cfg = rk.PolicyLossConfig(**{**FUSED_CONFIGS[name], "kl_coef": 0.1})
+    p = _on_device(_problem(seed=13))
+    results = []
+    for backend in ("triton", "reference"):
+        torch.manual_seed(0)
+        with rk.use_backend(backend):
+            out = _fused(cfg, p, "logits", 0.7)
+            results.append((out.loss, torch.autograd.grad(out.loss, p["logits"])[0]))
+    assert not calls
+    torch.testing.assert_close(results[0][0], results[1][0], **F32_TOL)
+    torch.testing.assert_close(results[0][1], results[1][1], **F32_TOL)
 
 
 @interpreter_quiet

@@ -35,13 +35,23 @@ Metrics (detached 0-dim tensors, no host sync; over the active tokens of this ca
     rollout_weight_mean              (with a rollout correction) mean of the applied weight
     rollout_frac_truncated           (TIS) fraction of tokens whose ρ was truncated
     rollout_frac_masked              (MIS) fraction of tokens whose ρ was rejected
+    vespo_phi_mean                   (vespo) mean Gamma weight φ over the active tokens
+    cov_frac                         (clip_cov / kl_cov) fraction of tokens cut / penalized
 
 For ``gspo`` and ``gspo_token`` the clip fractions and ratio statistics are over sequences (those with
-at least one active token) and about the sequence ratio s_i, the quantity that is clipped.
+at least one active token) and about the sequence ratio s_i, the quantity that is clipped (``vespo``:
+its ratio w_i, clip fractions 0). For ``dppo_*`` the clip fractions are the tokens outside the trust
+region, by sign(A).
+
+With ``cfg.kl_ratio_weighted`` the KL term (and ``kl_ref``) is KL·ρ, ρ the loss type's importance
+ratio (:func:`rlkernel.rl.objectives.importance_ratio`, differentiable, as TRL's
+``use_bias_correction_kl``).
 
 Caveats:
     * Metrics are local to the call (micro-batch), not normalized globally; average them as you log.
     * ``rollout_logp`` is ignored when ``cfg.rollout_correction`` is ``None``.
+    * ``clip_cov`` and ``kl_cov`` read counts and selections on the host (a sync, as verl), and
+      ``clip_cov`` draws from torch's default CPU generator (:mod:`rlkernel.rl.covariance`).
     * Packed input whose token count equals its sequence count makes ``advantages`` of shape ``[N]``
       ambiguous; it is read per token (equal to per sequence when every sequence has one token).
 """
@@ -252,8 +262,6 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
             width=batch.segments.max_len,
         )
 
-    term = objectives.policy_term(cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask)
-    per_token = term.loss
     weights = None
     if cfg.rollout_correction is not None:
         weights = rollout.rollout_weights(
@@ -263,18 +271,32 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
             cfg.rollout_correction,
             cfg.rollout_clip_min,
             cfg.rollout_clip_max,
-            per_sequence=term.sequence_level,
+            per_sequence=cfg.loss_type in objectives.ROLLOUT_PER_SEQUENCE,
         )
+    term = objectives.policy_term(
+        cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask, rollout_w=weights
+    )
+    per_token = term.loss
+    if weights is not None and not term.rollout_folded:
         per_token = per_token * weights.weight
     kl = None
     if batch.ref_logp is not None and cfg.kl_coef > 0:
-        estimator = canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator")
-        kl = kl_terms(batch.logp, batch.ref_logp, estimator)
+        kl = _kl(cfg, batch, batch.logp)
         per_token = per_token + cfg.kl_coef * kl
     loss = agg(per_token)
     if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * agg(batch.entropy)
     return PolicyLossOutput(loss, compute_metrics=lambda: _metrics(cfg, batch, term, kl, weights))
+
+
+def _kl(cfg: PolicyLossConfig, batch: _Batch, logp: torch.Tensor) -> torch.Tensor:
+    """``[S, L]``: the configured KL estimator of ``logp`` against ``ref_logp``; with
+    ``cfg.kl_ratio_weighted``, times the loss type's importance ratio (differentiable, as TRL's
+    ``use_bias_correction_kl``)."""
+    kl = kl_terms(logp, batch.ref_logp, canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator"))
+    if cfg.kl_ratio_weighted:
+        kl = kl * objectives.importance_ratio(cfg, logp, batch.old_logp, batch.mask)
+    return kl
 
 
 @torch.no_grad()
@@ -288,9 +310,11 @@ def _metrics(cfg, batch: _Batch, term, kl, weights) -> dict[str, torch.Tensor]:
     logp, old = batch.logp.detach(), batch.old_logp
     metrics["approx_kl"] = masked_mean(kl_terms(logp, old, "k3"), m)
     metrics.update(_ratio_stats(term.ratio, term.ratio_mask))
+    for name, values, valid in term.extra:
+        metrics[name] = masked_mean(values.to(batch.logp.dtype), valid)
     if batch.ref_logp is not None:
         if kl is None:  # ref_logp given for monitoring only (kl_coef == 0)
-            kl = kl_terms(logp, batch.ref_logp, canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator"))
+            kl = _kl(cfg, batch, logp)
         metrics["kl_ref"] = masked_mean(kl.detach(), m)
     if batch.entropy is not None:
         metrics["entropy_mean"] = masked_mean(batch.entropy.detach(), m)

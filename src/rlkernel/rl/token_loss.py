@@ -8,11 +8,19 @@ on token t's own logp_t (and dL/dentropy_t on nothing at all):
           global normalizers), ρ_t = detached rollout-correction weight, A_t = broadcast advantage
 
 That holds for ``ppo`` (with ``delta`` and ``dual_clip``), ``cispo``, ``sapo`` and ``reinforce``,
-every aggregation (padded or packed, with or without global normalizers), every KL estimator and
-every rollout correction (``token_*`` and ``seq_*``: their weights are detached functions of
-``old_logp``/``rollout_logp`` only). It does not hold for ``gspo``, ``gspo_token`` and ``gmpo``,
-whose per-token loss depends on the whole sequence's log-probs: they are *not eligible* and keep the
-autograd path (:func:`rlkernel.policy_loss`).
+every aggregation (padded or packed, with or without global normalizers; ``token-sum``: w_t = 1),
+every KL estimator and every rollout correction (``token_*`` and ``seq_*``: their weights are
+detached functions of ``old_logp``/``rollout_logp`` only). Not eligible, and kept on the autograd
+path (:func:`rlkernel.policy_loss`), by :func:`is_eligible`:
+
+* ``gspo``, ``gspo_token``, ``gmpo`` and ``vespo``: the per-token loss (or its detached weight)
+  depends on the whole sequence's current log-probs;
+* ``clip_cov`` and ``kl_cov``: which tokens are cut or penalized depends on covariance statistics
+  of the whole batch's current log-probs (and a random draw);
+* ``dppo_tv``, ``dppo_kl`` and ``dro``: token-local, but the kernel has no branch for their terms
+  (a detached trust-region mask on the probabilities; a quadratic log-ratio penalty) yet;
+* ``kl_ratio_weighted=True``: the KL term gains the ratio factor r_t, with its own gradient
+  (K'·r + K·r), which the kernel's KL branch does not compute.
 
 :func:`build_plan` computes the per-token constants with a handful of torch ops (no host sync);
 :func:`rlkernel.ops.token_loss.token_loss` (re-exported here) then runs ONE launch
@@ -56,8 +64,9 @@ ELIGIBLE_LOSS_TYPES: tuple[str, ...] = ("ppo", "cispo", "sapo", "reinforce")
 
 
 def is_eligible(cfg: PolicyLossConfig) -> bool:
-    """Whether ``cfg``'s gradient is token-local (see the module docstring): ppo, cispo, sapo, reinforce."""
-    return cfg.loss_type in ELIGIBLE_LOSS_TYPES
+    """Whether the token-level plan can express ``cfg`` (see the module docstring): loss type ppo,
+    cispo, sapo or reinforce, and no ratio-weighted KL."""
+    return cfg.loss_type in ELIGIBLE_LOSS_TYPES and not cfg.kl_ratio_weighted
 
 
 def _flat_f32(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +169,8 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
     cfg, seg, device = batch.cfg, batch.segments, batch.device
     if not is_eligible(cfg):
         raise ValueError(
-            f"loss_type={cfg.loss_type!r} has no token-level plan (eligible: {ELIGIBLE_LOSS_TYPES})"
+            f"loss_type={cfg.loss_type!r}, kl_ratio_weighted={cfg.kl_ratio_weighted} has no token-level "
+            f"plan (eligible: loss types {ELIGIBLE_LOSS_TYPES} without kl_ratio_weighted)"
         )
     old_logp, ref_logp, rollout_logp = batch.old_logp, batch.ref_logp, batch.rollout_logp
     flat_ids, active = masked_ids[0].reshape(-1), masked_ids[1]
@@ -179,7 +189,9 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
 
     # Aggregation: w_t = factor_t / (norm_mult · max(denom, floor)).
     factor, denom, norm_mult, floor = None, None, 1.0, -math.inf
-    if cfg.aggregation == "token-mean":
+    if cfg.aggregation == "token-sum":
+        pass  # w_t = 1: no denominator (and no global normalizer read)
+    elif cfg.aggregation == "token-mean":
         if g_tokens is None:
             denom, floor = active.sum(), 1.0
         else:
