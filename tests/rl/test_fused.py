@@ -373,8 +373,10 @@ def test_sequence_level_all_masked_gives_zero_loss_and_gradient():
 
 @interpreter_quiet
 @pytest.mark.parametrize("name", [*MORE_LOSS_CONFIGS, "ppo_kl_ratio_weighted"])
-def test_issue14_types_keep_the_composed_path(name, monkeypatch, set_options):
-    calls = _token_path_spy(monkeypatch, set_options)
+def test_issue14_types_take_the_fused_coefficient_path(name, monkeypatch):
+    """The loss types without a token-level plan (and the ratio-weighted KL) from logits: the fused
+    coefficient path, equal to the composed path on the reference backend."""
+    calls = _coefficient_path_spy(monkeypatch)
     cfg = rk.PolicyLossConfig(**{**FUSED_CONFIGS[name], "kl_coef": 0.1})
     p = _on_device(_problem(seed=13))
     results = []
@@ -383,7 +385,7 @@ def test_issue14_types_keep_the_composed_path(name, monkeypatch, set_options):
         with rk.use_backend(backend):
             out = _fused(cfg, p, "logits", 0.7)
             results.append((out.loss, torch.autograd.grad(out.loss, p["logits"])[0]))
-    assert not calls
+    assert calls, "the config did not take the fused coefficient path"
     torch.testing.assert_close(results[0][0], results[1][0], **F32_TOL)
     torch.testing.assert_close(results[0][1], results[1][1], **F32_TOL)
 

@@ -319,13 +319,16 @@ def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace
     from rlkernel.ops import _logprobs_function as fn
 
     want_entropy = batch.cfg.entropy_coef != 0
+    composed = []  # the algebra's output: its metrics are the ones of the loss's own run (clip_cov's
+    # random token draw, say, is not drawn again for them)
 
     def terms(logp, entropy):
         with torch.enable_grad():
             stats = [logp.detach().requires_grad_()]
             if want_entropy:
                 stats.append(entropy.detach().requires_grad_())
-            loss = loss_from_batch(stats[0], stats[1] if want_entropy else None, batch).loss
+            composed.append(loss_from_batch(stats[0], stats[1] if want_entropy else None, batch))
+            loss = composed[0].loss
             if loss.requires_grad:
                 grads = torch.autograd.grad(loss, stats, allow_unused=True, materialize_grads=True)
             else:  # a loss that reads no log-prob (every token masked): zero coefficients
@@ -334,10 +337,10 @@ def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace
         return TokenLossTerms(loss.detach(), flat[0], flat[1] if want_entropy else None)
 
     source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
-    loss, logp, entropy = fn.token_loss_triton(
+    loss, _, _ = fn.token_loss_triton(
         logits, source, temperature=temperature, inplace_backward=inplace_backward
     )
-    return _output(loss, logp, entropy if want_entropy else None, batch)
+    return PolicyLossOutput(loss, compute_metrics=lambda: composed[0].metrics)
 
 
 def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature):
