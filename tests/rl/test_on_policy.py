@@ -257,3 +257,33 @@ def test_bad_old_logp_still_rejected():
     with pytest.raises(TypeError, match="old_logp"):
         tl_mod.build_plan(cfg, token_ids=torch.zeros(4, 6, dtype=torch.long), old_logp=3.0,
                           advantages=batch["advantages"], mask=batch["mask"])  # fmt: skip
+
+
+@interpreter_quiet
+def test_token_level_linear_path(smallest_linear_chunks, monkeypatch):
+    """The hidden-state token-level path (chunked LM head, per-chunk plan rows) on-policy."""
+    import rlkernel.ops._linear_function as lf
+
+    calls = []
+    engine = lf.fused_linear_token_loss
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(lf, "fused_linear_token_loss", spy)  # seam: spy on which path the call takes
+    p = problem(seed=21)
+    for name in ("hidden", "weight", "bias"):
+        p[name] = p[name].detach().float().requires_grad_(True)
+    p["batch"] = {k: v.float() if v.is_floating_point() else v for k, v in p["batch"].items()}
+    cfg = config("cispo", kl_coef=0.1, entropy_coef=0.02)
+    with rk.use_backend("triton"):
+        a = fused(cfg, p, "hidden", old_logp=None)
+        ga = torch.autograd.grad(a.loss, [p["hidden"], p["weight"], p["bias"]])
+    with rk.use_backend("reference"):
+        b = composed(cfg, p, "hidden", old_logp=None)
+        gb = torch.autograd.grad(b.loss, [p["hidden"], p["weight"], p["bias"]])
+    assert calls, "the on-policy call did not take the fused linear token-level path"
+    torch.testing.assert_close(a.loss, b.loss, **F32_TOL)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)

@@ -22,8 +22,9 @@ count of a step that is all-masked everywhere, included).
 
 Non-finite input: NaN, +inf or −inf at an *active* position of an input the loss reads (``logp``,
 ``advantages``, ``old_logp`` — except for ``reinforce``, whose loss −A·logp does not read it —,
-``ref_logp`` when ``kl_coef > 0``, ``rollout_logp`` with a rollout correction, ``entropy`` when
-``entropy_coef != 0``) gives a NaN loss, never a finite one. ±inf is turned into NaN before any
+``ref_logp`` when ``kl_coef > 0``, ``rollout_logp`` with a rollout correction, rejection or the
+off-policy mask, ``rollout_weights``, ``entropy`` when ``entropy_coef != 0`` or
+``top_entropy_quantile < 1``) gives a NaN loss, never a finite one. ±inf is turned into NaN before any
 arithmetic: otherwise the log-ratio clamp (±20), the k3 clamps or a rollout weight truncated or
 rejected to a finite value would absorb it. The metrics that read such an input are NaN too.
 
