@@ -140,7 +140,7 @@ class _Batch:
     rejection: rollout.Rejection | None = None
 
 
-def reads_rollout_logp(cfg: PolicyLossConfig) -> bool:
+def _reads_rollout_logp(cfg: PolicyLossConfig) -> bool:
     """Whether ``cfg`` reads ``rollout_logp`` (a correction, rejection, or the off-policy mask)."""
     return (
         cfg.rollout_correction is not None
@@ -176,7 +176,7 @@ def _padded_batch(logp: torch.Tensor, entropy: torch.Tensor | None, batch: LossB
     # On-policy (old_logp=None): the old log-probs are the current ones, detached (ratio 1 in value,
     # the gradient of logp through it).
     old2 = padded(batch.old_logp) if batch.old_logp is not None else logp2.detach()
-    rollout2 = padded(batch.rollout_logp) if reads_rollout_logp(cfg) else None
+    rollout2 = padded(batch.rollout_logp) if _reads_rollout_logp(cfg) else None
     rejected, active = None, given
     if cfg.rollout_rs is not None:
         rejected = rollout.rejection(
