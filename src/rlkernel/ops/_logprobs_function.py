@@ -415,7 +415,7 @@ def token_loss_grad_in_forward_triton(logits: torch.Tensor, plan, *, temperature
 def _token_loss_op(
     logits: torch.Tensor,
     ids: torch.Tensor,
-    old: torch.Tensor,
+    old: torch.Tensor | None,
     adv: torch.Tensor,
     ref: torch.Tensor | None,
     rollout_w: torch.Tensor | None,

@@ -136,6 +136,22 @@ LOSS_TYPES: tuple[str, ...] = (
 RolloutCorrection = Literal["token_tis", "seq_tis", "token_mis", "seq_mis"]
 ROLLOUT_CORRECTIONS: tuple[str, ...] = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 
+# verl's rollout rejection criteria (``rollout_rs``): level × divergence (see rlkernel.rl.rollout).
+RolloutRejection = Literal[
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+]
+ROLLOUT_REJECTIONS: tuple[str, ...] = RolloutRejection.__args__
+
 # Loss types with PPO's extra knobs (dual clip, delta).
 _PPO_ONLY = ("ppo",)
 
@@ -221,6 +237,22 @@ class PolicyLossConfig:
             (verl's ``rollout_is_threshold``). At least one bound is required with a correction.
         sapo_tau_pos: SAPO temperature (> 0) where A > 0.
         sapo_tau_neg: SAPO temperature (> 0) where A ≤ 0.
+        rollout_rs: ``None`` or verl's rollout rejection criterion: ``token_k1 | token_k2 |
+            token_k3 | seq_sum_k{1,2,3} | seq_mean_k{1,2,3} | seq_max_k{2,3}``. Tokens (or whole
+            sequences) whose divergence between ``old_logp`` and ``rollout_logp`` is out of bounds
+            leave the mask (requires ``rollout_logp``).
+        rollout_rs_min: k1 criteria only: lower bound (> 0) on the ratio π_rollout/π_old (the
+            k1 statistic is compared with its log); ``None``: no lower bound (verl's default is
+            1/``rollout_rs_max``: pass it to match).
+        rollout_rs_max: upper bound (> 0): on the ratio for k1 (``None``: none; at least one bound
+            is required), on the divergence for k2/k3 (required).
+        off_policy_mask_threshold: TRL's off-policy sequence mask δ (≥ 0), or ``None`` (off): the
+            policy term of a token with A < 0 whose sequence has mean(rollout_logp − logp) > δ is
+            dropped.
+        top_entropy_quantile: TRL's ρ in [0, 1]: only the tokens whose entropy is at least the
+            (1 − ρ)-quantile of the active tokens' entropies keep their policy term (requires
+            ``entropy``); 1.0 (the default) is off. (Formulas of the last five fields:
+            :mod:`rlkernel.rl.rollout` and :mod:`rlkernel.rl.masks`.)
 
     More loss types, the sequence-ratio convention and the ratio-weighted KL (issue 14; the
     formulas are in :mod:`rlkernel.rl.objectives`):
@@ -293,6 +325,13 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 2e-4
     kl_cov_coef: float = 0.1
     dro_beta: float | None = None
+    # --- Token masks: rollout rejection (verl rollout_rs), off-policy sequence mask and entropy
+    # quantile (TRL); see rlkernel.rl.rollout and rlkernel.rl.masks. Checked by _check_masks.
+    rollout_rs: RolloutRejection | None = None
+    rollout_rs_min: float | None = None
+    rollout_rs_max: float | None = None
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         check.choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -308,6 +347,7 @@ class PolicyLossConfig:
         check.positive_float("sapo_tau_neg", self.sapo_tau_neg)
         self._check_fp32()
         self._check_more_losses()
+        self._check_masks()
 
     def _check_fp32(self) -> None:
         """Every number must survive the float32 math (and the kernels' float32 scalars) as it is:
@@ -389,6 +429,40 @@ class PolicyLossConfig:
             value = getattr(self, name)
             if value is not None:
                 check.fp32_float(name, float(value), positive=name in _MORE_POSITIVE_FIELDS)
+
+    def _check_masks(self) -> None:
+        """The token-mask fields (rollout rejection, off-policy sequence mask, entropy quantile)."""
+        if self.rollout_rs is not None:
+            check.choice("rollout_rs", self.rollout_rs, ROLLOUT_REJECTIONS)
+        low = _optional(check.positive_float, "rollout_rs_min", self.rollout_rs_min)
+        high = _optional(check.positive_float, "rollout_rs_max", self.rollout_rs_max)
+        for name, value in (("rollout_rs_min", low), ("rollout_rs_max", high)):
+            if value is not None:
+                check.fp32_float(name, value, positive=True)
+        if self.rollout_rs is None:
+            if low is not None or high is not None:
+                raise ValueError("rollout_rs_min / rollout_rs_max need rollout_rs (the rejection criterion)")
+        elif self.rollout_rs.endswith("k1"):
+            if low is None and high is None:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_min or rollout_rs_max")
+            if low is not None and high is not None and low > high:
+                raise ValueError(f"rollout_rs_min ({low}) must be <= rollout_rs_max ({high})")
+        else:
+            if low is not None:
+                raise ValueError(
+                    f"rollout_rs_min applies to the k1 criteria only (a ratio bound); rollout_rs="
+                    f"{self.rollout_rs!r} is a divergence >= 0 with an upper bound only"
+                )
+            if high is None:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_max (its upper bound)")
+        if self.off_policy_mask_threshold is not None:
+            delta = check.nonneg_float("off_policy_mask_threshold", self.off_policy_mask_threshold)
+            check.fp32_float("off_policy_mask_threshold", delta)
+        quantile = check.real("top_entropy_quantile", self.top_entropy_quantile)
+        if not 0.0 <= quantile <= 1.0:  # also NaN
+            raise ValueError(
+                f"top_entropy_quantile must be in [0, 1] (1 = off), got {self.top_entropy_quantile!r}"
+            )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> PolicyLossConfig:

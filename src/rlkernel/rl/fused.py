@@ -34,7 +34,10 @@ gradients (to fp32 rounding) and metrics.
 
 Masked positions are sent to the primitive as ``ignore_index`` (their ids may be garbage such as -1 or
 a pad id out of the vocabulary), so they cost no softmax gradient and need no valid id. Entropy is
-computed only when ``cfg.entropy_coef != 0``.
+computed only when ``cfg.entropy_coef != 0`` or ``cfg.top_entropy_quantile < 1``. ``old_logp=None``
+(on-policy) costs no second pass: the composed path reads the detached log-probs of this call, the
+token-level kernels their own (``HAS_OLD=False``). Off-policy sequence masks, entropy quantiles and
+on-policy rollout corrections/rejection keep the composed path (``token_loss.is_eligible``).
 
 Caveats:
     * The caller aligns logits with ids (``logits[:, :-1]`` predicts ``ids[:, 1:]``); strided views
@@ -78,14 +81,20 @@ from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
 IGNORE_INDEX = token_loss.IGNORE_INDEX
 
 
-def _token_level(cfg: PolicyLossConfig, x: object, opts: Options) -> bool:
+def _token_level(batch: LossBatch, x: object, opts: Options) -> bool:
     """Whether a call whose logits (or hidden states) are ``x`` takes a fused token-level path: the
     option ``token_level_fusion``, an eligible objective, and the Triton backend for ``x`` (see the
     module docstring; under ``torch.compile`` the logits path is one registered custom op)."""
-    if not opts.token_level_fusion or not isinstance(x, torch.Tensor) or not token_loss.is_eligible(cfg):
+    eligible = token_loss.is_eligible(batch.cfg, on_policy=batch.old_logp is None)
+    if not opts.token_level_fusion or not isinstance(x, torch.Tensor) or not eligible:
         return False
     has_kernel = x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     return _dispatch.resolve_backend(x.device, has_kernel=has_kernel) == "triton"
+
+
+def _wants_entropy(cfg: PolicyLossConfig) -> bool:
+    """Whether the loss reads the entropy: an entropy term, or the top-entropy-quantile mask."""
+    return cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1
 
 
 def _coefficient_path(cfg: PolicyLossConfig, logits: object, opts: Options) -> bool:
@@ -99,7 +108,7 @@ def _coefficient_path(cfg: PolicyLossConfig, logits: object, opts: Options) -> b
     return _dispatch.resolve_backend(logits.device, has_kernel=True) == "triton"
 
 
-def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object, opts: Options) -> bool:
+def _token_level_linear(batch: LossBatch, hidden: object, weight: object, opts: Options) -> bool:
     """Whether a hidden-state call takes the fused linear path (gradient computed while each
     chunk's logits are live: 3 GEMMs instead of 4; see rlkernel.ops._linear_function)."""
     if not isinstance(weight, torch.Tensor) or not isinstance(hidden, torch.Tensor):
@@ -107,7 +116,7 @@ def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object, o
     if torch.compiler.is_compiling():  # the chunk engine is eager-only: the composed path is traced
         return False
     # A dtype mismatch takes the primitive path, which raises the clear error.
-    return weight.dtype == hidden.dtype and _token_level(cfg, hidden, opts)
+    return weight.dtype == hidden.dtype and _token_level(batch, hidden, opts)
 
 
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
@@ -129,7 +138,7 @@ def fused_policy_loss(
     cfg: PolicyLossConfig,
     *,
     token_ids: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     logits: torch.Tensor | None = None,
@@ -139,6 +148,7 @@ def fused_policy_loss(
     temperature: float = 1.0,
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    rollout_weights: torch.Tensor | None = None,
     global_tokens: float | torch.Tensor | None = None,
     global_seqs: float | torch.Tensor | None = None,
     tp_group: object | None = None,
@@ -152,8 +162,10 @@ def fused_policy_loss(
         cfg: the objective (:class:`PolicyLossConfig`).
         token_ids: int ``[B, T]`` (or packed ``[N]``), the sampled tokens aligned with the logits;
             any value (e.g. -1, a pad id) at masked positions.
-        old_logp, advantages, mask, ref_logp, rollout_logp, global_tokens, global_seqs, cu_seqlens:
-            as in :func:`rlkernel.policy_loss`, over the shape of ``token_ids``.
+        old_logp, advantages, mask, ref_logp, rollout_logp, rollout_weights, global_tokens,
+            global_seqs, cu_seqlens: as in :func:`rlkernel.policy_loss`, over the shape of
+            ``token_ids``. ``old_logp=None`` (on-policy) uses the log-probs this call computes,
+            detached: no second log-prob pass.
         logits: ``[B, T, V]`` (or ``[N, V]``) float logits. Exactly one of ``logits`` and ``hidden``.
         hidden: ``[B, T, H]`` (or ``[N, H]``) last hidden states, with ``weight`` ``[V, H]`` and an
             optional ``bias`` ``[V]``.
@@ -195,6 +207,7 @@ def fused_policy_loss(
         mask=mask,
         ref_logp=ref_logp,
         rollout_logp=rollout_logp,
+        rollout_weights=rollout_weights,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
@@ -237,17 +250,18 @@ def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_g
          inplace_backward, opts) -> PolicyLossOutput:  # fmt: skip
     """The path of a checked call (see the module docstring)."""
     ids = masked_ids[0]
-    if _token_level(cfg, logits, opts) and torch.compiler.is_compiling():
+    if _token_level(batch, logits, opts) and torch.compiler.is_compiling():
         return _fused_token_level_traced(logits, masked_ids, batch, temperature)
-    if _token_level(cfg, logits, opts):
+    if _token_level(batch, logits, opts):
         two_pass = opts.grad_in_forward_max_vocab
         return _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass)
     if _coefficient_path(cfg, logits, opts):
         return _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward)
     tp = tp_group is not None
-    if not tp and _token_level_linear(cfg, hidden, weight, opts):
+    if not tp and _token_level_linear(batch, hidden, weight, opts):
         return _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature)
-    want_entropy = cfg.entropy_coef != 0
+    # The entropy quantile mask reads the entropy even without an entropy term.
+    want_entropy = _wants_entropy(cfg)
     common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     if logits is not None:
         out = token_logprobs_checked(logits, ids, inplace_backward=inplace_backward, **common)
@@ -318,7 +332,7 @@ def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace
     ``policy_loss`` (the loss and its gradients to fp32 rounding); metrics stay lazy."""
     from rlkernel.ops import _logprobs_function as fn
 
-    want_entropy = batch.cfg.entropy_coef != 0
+    want_entropy = _wants_entropy(batch.cfg)
     composed = []  # the algebra's output: its metrics are the ones of the loss's own run (clip_cov's
     # random token draw, say, is not drawn again for them)
 
