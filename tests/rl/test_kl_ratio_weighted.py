@@ -69,14 +69,13 @@ def test_kl_ref_metric_is_the_weighted_kl():
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_not_eligible_and_the_fused_call_keeps_the_composed_path(monkeypatch):
-    import rlkernel.ops._logprobs_function as fn_mod
-
+def test_not_eligible_and_the_fused_call_takes_the_coefficient_path(monkeypatch):
+    """No token-level plan (the kernel's KL branch has no ratio factor): the fused call takes the
+    coefficient path (the algebra differentiated inside the forward) and equals the composition."""
     cfg = rk.PolicyLossConfig(kl_coef=0.2, kl_ratio_weighted=True)
     assert not tl_mod.is_eligible(cfg) and tl_mod.is_eligible(rk.PolicyLossConfig(kl_coef=0.2))
     calls = []
-    for name in ("token_loss_triton", "token_loss_grad_in_forward_triton"):
-        monkeypatch.setattr(fn_mod, name, lambda *a, **k: calls.append(1))  # seam: must not be called
+    monkeypatch.setattr(tl_mod, "plan_from_batch", lambda *a, **k: calls.append(1))  # seam: never called
     g = torch.Generator().manual_seed(1)
     batch = make_batch(2, 4, seed=6, dtype=torch.float32)
     ids = torch.randint(0, 7, (2, 4), generator=g)
