@@ -140,20 +140,20 @@ def assert_same(a, b, p, source, tol):
 
 
 def token_path_spy(monkeypatch, set_options, two_pass=False):
-    """Calls of the fused token-level launcher; ``two_pass`` forces the gradient-in-forward path (or
-    the 3-pass one) whatever the vocabulary size."""
-    import rlkernel.ops._logprobs_function as fn_mod
+    """Calls that take the fused token-level path (they build a token-level plan); ``two_pass``
+    forces the gradient-in-forward path (or the 3-pass one) whatever the vocabulary size. A call
+    without a plan takes the fused coefficient path (or the composed one) and builds none."""
+    import rlkernel.rl.token_loss as tl_mod
 
     set_options(grad_in_forward_max_vocab=1 << 30 if two_pass else 0)
-    name = "token_loss_grad_in_forward_triton" if two_pass else "token_loss_triton"
     calls = []
-    real = getattr(fn_mod, name)
+    real = tl_mod.plan_from_batch
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fn_mod, name, spy)  # seam: spy on which path a call takes
+    monkeypatch.setattr(tl_mod, "plan_from_batch", spy)  # seam: spy on which path a call takes
     return calls
 
 

@@ -238,7 +238,7 @@ def test_token_level_kernel_path(name, packed, two_pass, monkeypatch, set_option
 @pytest.mark.parametrize(
     "extra", [dict(rollout_correction="seq_tis"), dict(rollout_rs="token_k2", rollout_rs_max=0.02)]
 )
-def test_on_policy_rollout_terms_keep_the_composed_path(extra, monkeypatch, set_options):
+def test_on_policy_rollout_terms_have_no_token_level_plan(extra, monkeypatch, set_options):
     """Rollout weights and rejection of an on-policy call read this call's log-probs: not eligible."""
     calls = token_path_spy(monkeypatch, set_options)
     cfg = config("ppo", **extra)
