@@ -3,8 +3,8 @@
 Examples::
 
     rlkernel bench logits                          # the full suite on the GPU -> benchmarks/results/
-    rlkernel bench logits --quick --out /tmp/b     # N = 8192 only, fewer repetitions
-    rlkernel bench logits --n 8192 --v 151936 --impl rlkernel,liger --workload dapo_kl_fwd_bwd
+    rlkernel bench logits --quick --out /tmp/b     # fewer repetitions
+    rlkernel bench logits --n 8192 --v 151936 --impl rlkernel,liger --workload sliced_dapo_kl_fwd_bwd
     rlkernel bench logits --smoke --out /tmp/s     # tiny sizes on the CPU: checks the pipeline only
     rlkernel bench --list                          # suites, workloads, implementations
     rlkernel bench --readme                        # README table from benchmarks/results/*.csv
@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser`` (used by ``rlkernel bench`` and ``python -m``)."""
     parser.add_argument("suite", nargs="?", help="the suite to run (see --list), e.g. 'logits'")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes (N=8192) and repetitions")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (and sizes, where a suite has several)"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny sizes on the CPU: checks the pipeline, measures nothing"
     )
