@@ -327,3 +327,37 @@ def test_committed_readme_table_is_generated_from_the_committed_csvs(monkeypatch
     text = Path("README.md").read_text()
     block = report.readme_block(Path("benchmarks/results"))
     assert report.replace_block(text, block) == text
+
+
+# --------------------------------------------------------------------------------------------------
+# On the GPU (the gpu step of scripts/gpu_suite.sh)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sliced_rows_run_and_agree(tmp_path):
+    """The headline workloads at a small size on CUDA, with the peers where their wheels are
+    installed (scripts/gpu_run.sh installs .whl/): every row measured (or skipped because a package
+    does not import), each cross-checked against plain PyTorch, and every fwd+bwd row's peak memory
+    holds at least the model output's gradient. torch.compile is left out (minutes of compiling)."""
+    sliced = [k for k in bl.KINDS if k.startswith("sliced_")]
+    argv = ["logits", "--n", "2048", "--v", "32768", "--rounds", "1", "--loop", "2", "--no-plot"]
+    impls = "rlkernel,torch,liger,trl"
+    assert cli.main([*argv, "--out", str(tmp_path), "--workload", ",".join(sliced), "--impl", impls]) == 0
+    with (tmp_path / "logits.csv").open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["impl"] != "ceiling"]
+    assert {r["workload"] for r in rows} == set(sliced)
+    grad_gb = 2 * (1024 + bl.PROMPT_LEN) * 32768 * 2 / 1e9  # B = 2 sequences of T = 1024
+    for r in rows:
+        if r["status"].startswith("skipped"):
+            assert r["impl"] in ("liger", "trl") and "not importable" in r["status"], r
+            continue
+        assert r["status"] == "ok", r
+        assert float(r["median_ms"]) > 0 and float(r["b2b_ms"]) > 0 and r["gpu"] and r["date_utc"], r
+        if r["impl"] != "torch":
+            assert float(r["max_abs_diff"]) <= 1e-4, r
+        if r["pass"] == "fwd+bwd":
+            assert float(r["peak_extra_gb"]) >= 0.99 * grad_gb, r
+            if r["impl"] != "torch":
+                assert float(r["grad_rel_diff"]) <= 2e-2, r
