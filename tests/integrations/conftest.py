@@ -86,7 +86,8 @@ def openrlhf_policy_loss() -> type:
 @pytest.fixture(scope="session")
 def verl() -> types.SimpleNamespace:
     """verl 0.9.1's real modules, with ``rlkernel.integrations.verl`` imported (its losses registered):
-    ``core_algos`` (the registry, agg_loss and verl's own losses), ``ActorConfig``, ``dense_common``
+    ``core_algos`` (the registry, agg_loss and verl's own losses), ``ActorConfig`` and
+    ``PolicyLossConfig`` (verl's), ``dense_common``
     (verl's fused forwards), ``monkey_patch`` and ``integration`` (tests/integrations/verl_env.py)."""
     from . import verl_env
 
@@ -107,6 +108,7 @@ def verl() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         core_algos=core_algos,
         ActorConfig=config.ActorConfig,
+        PolicyLossConfig=config.PolicyLossConfig,  # verl's (the actor's nested policy_loss settings)
         dense_common=dense_common,
         monkey_patch=monkey_patch,
         integration=integration,

@@ -19,7 +19,7 @@ COVERED = [
 B, T = 3, 5
 
 
-def config(verl, info=None, **settings):
+def config(verl, info=None, dro_beta=0.1, **settings):
     base = dict(
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05
     )
@@ -28,6 +28,7 @@ def config(verl, info=None, **settings):
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
         global_batch_info=dict(info or {}),
+        policy_loss=verl.PolicyLossConfig(dro_beta=dro_beta),
         **{**base, **settings},
     )
 
@@ -87,6 +88,9 @@ def test_loss_refuses_bad_tensors(verl, mode, change, error, match):
         ("rk_vanilla", {}, dict(loss_scale_factor=0), ValueError, "loss_scale_factor"),
         ("rk_vanilla", {}, dict(num_tokens=10), ValueError, "num_tokens"),
         ("rk_vanilla", {}, dict(dp_size=2), ValueError, "batch_num_tokens"),
+        ("rk_dro", dict(dro_beta=None), None, TypeError, "dro_beta"),
+        ("rk_dro", dict(dro_beta=0.0), None, ValueError, "dro_beta"),
+        ("rk_dro", dict(dro_beta=-1.0), None, ValueError, "dro_beta"),
     ],
 )
 def test_loss_refuses_bad_settings(verl, mode, settings, info, error, match):

@@ -29,7 +29,7 @@ import itertools
 import pytest
 import torch
 
-MODES = ("vanilla", "gspo", "sapo", "cispo", "geo_mean", "gpg")
+MODES = ("vanilla", "gspo", "sapo", "cispo", "geo_mean", "gpg", "dro")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 INFOS = {
     "local": {},
@@ -59,12 +59,13 @@ def make_batch(seed: int, *, advantages: str = "token", dtype=torch.float32, B: 
     return old, log_prob, adv, mask
 
 
-def actor_config(verl, info=None, **settings):
+def actor_config(verl, info=None, dro_beta=0.1, **settings):
     return verl.ActorConfig(
         strategy="fsdp",
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
         global_batch_info=dict(info or {}),
+        policy_loss=verl.PolicyLossConfig(dro_beta=dro_beta),
         **{**SETTINGS, **settings},
     )
 
@@ -129,6 +130,8 @@ SWEEP = [
     ("cispo", dict(clip_ratio_low=0.1, clip_ratio_high=0.1)),
     ("geo_mean", dict(clip_ratio_low=0.4, clip_ratio_high=0.4)),  # the GMPO recipe
     ("gpg", dict(clip_ratio_c=7.0)),  # read by nobody
+    ("dro", dict(dro_beta=0.01)),
+    ("dro", dict(dro_beta=2.5)),
 ]
 
 
@@ -247,6 +250,7 @@ def _make_config(verl):
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
         global_batch_info=dict(info),
+        policy_loss=verl.PolicyLossConfig(**probe.PROBE_POLICY_LOSS),
         **probe.PROBE_SETTINGS,
     )
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +161,20 @@ def test_verls_backend_switch_installs_it_for_impl_backend_rlkernel(verl):
         assert cls.forward is verl.dense_common.forward_with_torch_backend
     finally:
         cls.forward = original
+
+
+def test_the_example_runs_and_agrees(verl, capsys):
+    """examples/verl_policy_loss.py (run in this process: verl is imported here with the stubs of
+    tests/integrations/verl_env.py, the script imports it as a verl install would): every rk_<mode>
+    row agrees with verl's, and the fused forward does."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "verl_policy_loss.py"
+    runpy.run_path(str(path), run_name="__main__")
+    rows = capsys.readouterr().out.strip().splitlines()
+    losses, forward = rows[:-1], rows[-1]
+    assert len(losses) == len(verl.integration.RK_LOSSES) * 4, rows
+    for row in losses:
+        assert row.endswith("metrics equal True"), row
+        assert float(re.search(r"\|Δloss\| (\S+)", row).group(1)) <= 1e-6, row
+        assert float(re.search(r"max\|Δgrad\| (\S+)", row).group(1)) <= 1e-6, row
+    deltas = [float(x) for x in re.findall(r"\| (\d\.\de[-+]\d+)", forward)]
+    assert len(deltas) == 3 and max(deltas) <= 1e-5, forward

@@ -10,7 +10,7 @@ Importing this package (it imports verl) does two things, once per process
    the installed verl aggregates each ``loss_agg_mode`` (:mod:`.probe`); what it cannot reproduce
    raises a ``RuntimeError`` saying so when called. :data:`PLANS` records what was found.
 
-       rk_vanilla  rk_gspo  rk_sapo  rk_cispo  rk_geo_mean  rk_gpg
+       rk_vanilla  rk_gspo  rk_sapo  rk_cispo  rk_geo_mean  rk_gpg  rk_dro
 
 2. **Fused forward.** It wraps verl's ``patch_forward_with_backends`` so that
    ``fused_kernel_options.impl_backend: rlkernel`` (with ``use_fused_kernels: true``) makes the
@@ -24,7 +24,7 @@ verl's workers import it when the config names it:
 
 Tested with verl 0.9.1 (:data:`TESTED_VERSIONS`; CI compares every mode and aggregation with its
 code). Not registered yet (each is one :data:`LOSS_MODES` row once rlkernel has the objective):
-``dppo_tv``, ``dppo_kl``, ``clip_cov``, ``kl_cov``, ``dro``, ``bypass_mode``.
+``dppo_tv``, ``dppo_kl``, ``clip_cov``, ``kl_cov``, ``bypass_mode``.
 
 Raises (at import):
     ImportError: verl (or what its package imports: ray, tensordict) is not installed.
@@ -34,6 +34,7 @@ Raises (at import):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 from collections.abc import Callable, Mapping
@@ -71,14 +72,22 @@ def _installed_version() -> str:
 
 def _probe_config_factory(version: str) -> Callable[[Mapping], Any]:
     """``global_batch_info`` → a verl ``ActorConfig`` with the probe's settings."""
-    actor_config = getattr(importlib.import_module("verl.workers.config"), "ActorConfig", None)
+    workers_config = importlib.import_module("verl.workers.config")
+    actor_config = getattr(workers_config, "ActorConfig", None)
+    policy_loss_config = getattr(workers_config, "PolicyLossConfig", None)
 
     def make_config(info: Mapping) -> Any:
+        nested = {}
+        if dataclasses.is_dataclass(policy_loss_config):  # dro's β (a verl without the field: none)
+            known = {f.name for f in dataclasses.fields(policy_loss_config)}
+            values = {k: v for k, v in probe.PROBE_POLICY_LOSS.items() if k in known}
+            nested = dict(policy_loss=policy_loss_config(**values))
         return actor_config(
             strategy="fsdp",
             rollout_n=1,
             ppo_micro_batch_size_per_gpu=1,
             global_batch_info=dict(info),
+            **nested,
             **probe.PROBE_SETTINGS,
         )
 

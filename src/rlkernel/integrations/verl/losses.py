@@ -18,6 +18,8 @@ dict of Python floats. :func:`make_policy_loss_fn` builds such a function for on
     cispo            loss_type="cispo"                    clip_ratio(_low/_high)
     geo_mean         loss_type="gmpo"                     clip_ratio(_low/_high)
     gpg              loss_type="reinforce"                —
+    dro              loss_type="reinforce", kl_coef=β,     policy_loss.dro_beta
+                     kl_estimator="k2" against old_log_prob
 
 A further verl mode is one more :class:`LossMode` row (its loss type, the settings it reads, verl's
 metrics of it); the registration probes it like the others (:mod:`.probe`).
@@ -227,6 +229,15 @@ def _no_fields(config: Any) -> dict[str, Any]:
     return {}
 
 
+def _dro_fields(config: Any) -> dict[str, Any]:
+    """DRO's −(A·logp − β/2·lr²) is reinforce plus β × k2(logp, old_log_prob) (k2 = d²/2)."""
+    beta = setting(setting(config, "policy_loss", {}), "dro_beta")
+    if isinstance(beta, (int, float)) and not isinstance(beta, bool) and not beta > 0:
+        # verl raises this too (a 0 or negative β would be a plain reinforce, or a reward for drift)
+        raise ValueError(f"policy_loss.dro_beta must be > 0 for loss_mode dro, got {beta!r}")
+    return dict(kl_coef=beta, kl_estimator="k2")
+
+
 _CLIP_KEYS = {"clip_low": "clip_ratio_low (or clip_ratio)", "clip_high": "clip_ratio_high (or clip_ratio)"}
 
 
@@ -240,6 +251,7 @@ class LossMode:
         fields: verl actor config → the other :class:`PolicyLossConfig` fields (clip bounds, …).
         keys: each of those fields → the actor setting it comes from (for error messages).
         metrics: verl's metrics of this mode, from :class:`MetricInputs`.
+        kl_to_old: the KL term of the config is taken against ``old_log_prob`` (``ref_logp``).
     """
 
     verl_name: str
@@ -247,6 +259,7 @@ class LossMode:
     fields: Callable[[Any], dict[str, Any]]
     keys: Mapping[str, str]
     metrics: Callable[[MetricInputs], dict[str, float]]
+    kl_to_old: bool = False
 
     @property
     def name(self) -> str:
@@ -262,6 +275,9 @@ LOSS_MODES: tuple[LossMode, ...] = (
     LossMode("cispo", "cispo", _clip_bounds, _CLIP_KEYS, metrics.cispo),
     LossMode("geo_mean", "gmpo", _clip_bounds, _CLIP_KEYS, metrics.geo_mean),
     LossMode("gpg", "reinforce", _no_fields, {}, metrics.gpg),
+    LossMode(
+        "dro", "reinforce", _dro_fields, {"kl_coef": "policy_loss.dro_beta"}, metrics.dro, kl_to_old=True
+    ),
 )
 
 
@@ -350,6 +366,7 @@ def compute(
         cfg,
         global_tokens=norm.global_tokens,
         global_seqs=norm.global_seqs,
+        ref_logp=batch.old_log_prob if mode.kl_to_old else None,
     )
     loss = out.loss if norm.scale == 1 else out.loss * norm.scale
     detached = MetricInputs(

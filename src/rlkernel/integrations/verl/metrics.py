@@ -10,6 +10,7 @@ computed here from the detached inputs with verl's own ``masked_mean`` (``Σ m·
     sapo       0                                        −clamp(lr, ±20)         0
     geo_mean   lr clamped (either bound) and A > 0      −lr (unbounded)         lr clamped and A < 0
     gpg        (no metrics)
+    dro        —                                        −lr (unbounded)         —    (ppo_kl only)
 
 (lr = log_prob − old_log_prob, r = exp(lr), means over the response tokens.)
 """
@@ -92,3 +93,7 @@ def geo_mean(m: MetricInputs) -> dict[str, float]:
 
 def gpg(m: MetricInputs) -> dict[str, float]:
     return {}
+
+
+def dro(m: MetricInputs) -> dict[str, float]:
+    return {"actor/ppo_kl": m.mean(-(m.log_prob - m.old_log_prob))}

@@ -64,6 +64,8 @@ PROBE_SETTINGS: Mapping[str, float] = {
     "tau_pos": 1.0,
     "tau_neg": 1.05,
 }
+# The nested ``policy_loss`` settings of the probe's config (dro's β).
+PROBE_POLICY_LOSS: Mapping[str, float] = {"dro_beta": 0.3}
 TOLERANCE = 1e-5
 
 
