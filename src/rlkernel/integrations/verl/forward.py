@@ -112,8 +112,10 @@ def forward_with_rlkernel_backend(
         ``hidden_states``, ``attentions``.
 
     Raises:
-        ValueError: ``return_dict=False``; no ``input_ids``/``labels``/``shift_labels``; ids out
-            of the vocabulary; a bad temperature (named by :func:`rlkernel.linear_token_logprobs`).
+        ValueError: ``return_dict=False``; no ``input_ids``/``labels``/``shift_labels``; next-token
+            ids out of the vocabulary; a temperature <= 0 (named by
+            :func:`rlkernel.linear_token_logprobs`).
+        TypeError: a temperature that is not a number (verl's fused path takes one temperature).
     """
     if return_dict is False:
         raise ValueError(

@@ -77,6 +77,14 @@ VERL_AGG_MODES = (
     "seq-mean-token-sum-norm",
 )
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# The global_batch_info entry each aggregation divides by, as verl's agg_loss does. (token-sum, once
+# rlkernel has it: no normalizer, × dp_size only; add it here and to AGG_MODES.)
+NORMALIZER_OF = {
+    "token-mean": "batch_num_tokens",
+    "seq-mean-token-mean": "global_batch_size",
+    "seq-mean-token-sum": "global_batch_size",
+    "seq-mean-token-sum-norm": "global_batch_size",
+}
 GLOBAL_BATCH_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 SUM_NORM = "seq-mean-token-sum-norm"
 
@@ -177,17 +185,14 @@ class Convention:
         if self.scope == "horizon":
             return Normalizers(SUM_NORM, global_seqs=1, norm_length=info.loss_scale_factor)
         aggregation = self.aggregation or loss_agg_mode
-        token_mode = aggregation == "token-mean"
-        key, value = (
-            ("batch_num_tokens", info.batch_num_tokens)
-            if token_mode
-            else ("global_batch_size", info.global_batch_size)
-        )
+        key = NORMALIZER_OF[aggregation]
+        value = getattr(info, key)
         if value is None and info.dp_size > 1:
             raise ValueError(
                 f"config.global_batch_info[{key!r}] is required when dp_size > 1 ({aggregation}; "
                 f"dp_size={info.dp_size}), as in verl's agg_loss: without it the loss is a local mean"
             )
+        token_mode = key == "batch_num_tokens"
         return Normalizers(
             aggregation,
             global_tokens=value if token_mode else None,
@@ -397,10 +402,10 @@ class ModePlan:
 def _convention(plan: ModePlan, loss_agg_mode: object) -> Convention:
     name = plan.mode.name
     check.choice("loss_agg_mode", loss_agg_mode, VERL_AGG_MODES)
-    if loss_agg_mode == "token-sum":
+    if loss_agg_mode not in AGG_MODES:  # token-sum
         raise ValueError(
-            f"loss_agg_mode='token-sum' is not supported by {name} yet: rlkernel has no token-sum "
-            f"aggregation (Σ mℓ × dp_size); use another loss_agg_mode, or verl's own "
+            f"loss_agg_mode={loss_agg_mode!r} is not supported by {name} yet: rlkernel has no such "
+            f"aggregation (token-sum: Σ mℓ × dp_size); use another loss_agg_mode, or verl's own "
             f"loss_mode={plan.mode.verl_name!r}"
         )
     if loss_agg_mode in plan.refused:

@@ -76,11 +76,12 @@ def probe_batch() -> Batch:
     clip 3; advantages per token of both signs (sequences of mixed sign: gspo's per-token A and
     geo_mean's per-sequence mean differ from a plain mean). Masked positions hold finite values.
     """
-    g = torch.Generator().manual_seed(0)
-    log_prob = -3 * torch.rand(4, 6, generator=g) - 0.01
-    old_log_prob = log_prob + 0.6 * torch.randn(4, 6, generator=g)
-    advantages = torch.randn(4, 6, generator=g)
-    mask = torch.arange(6)[None, :] < torch.tensor([6, 0, 2, 5])[:, None]
+    # Explicitly float32 on the CPU: a caller's default dtype or device must not change the probe.
+    g, cpu = torch.Generator().manual_seed(0), dict(dtype=torch.float32, device="cpu")
+    log_prob = -3 * torch.rand(4, 6, generator=g, **cpu) - 0.01
+    old_log_prob = log_prob + 0.6 * torch.randn(4, 6, generator=g, **cpu)
+    advantages = torch.randn(4, 6, generator=g, **cpu)
+    mask = torch.arange(6, device="cpu")[None, :] < torch.tensor([6, 0, 2, 5], device="cpu")[:, None]
     return Batch(old_log_prob, log_prob, advantages, mask)
 
 
