@@ -15,6 +15,13 @@ TORCH_SPEC  ?= torch==2.13.0
 # stub the two imports it never calls, tests/integrations/conftest.py). The wheel also installs a
 # top-level `tests` package of its own; nothing here imports `tests`.
 OPENRLHF_SPEC ?= openrlhf==0.11.2
+# verl's real policy losses and fused forward are the reference of tests/integrations/test_verl*.py
+# (rlkernel.integrations.verl is tested against this version). Installed alone (--no-deps): its
+# declared dependencies are ray, tensordict, wandb, a transformers pin and more; its losses and fused
+# forward need only torch, transformers and the two light packages below (the tests stub ray,
+# tensordict and orjson for the import of verl's package, tests/integrations/verl_env.py).
+VERL_SPEC   ?= verl==0.9.1
+VERL_DEPS   ?= omegaconf codetiming
 VENV_FLAGS  ?=
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
@@ -33,6 +40,8 @@ setup-demo: $(BIN)/python
 setup-dev: $(BIN)/python
 	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps $(OPENRLHF_SPEC)
+	$(BIN)/python -m pip install -q --no-deps $(VERL_SPEC)
+	$(BIN)/python -m pip install -q $(VERL_DEPS)
 
 demo: setup-demo
 	$(BIN)/rlkernel demo $(DEMO_ARGS)

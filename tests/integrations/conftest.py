@@ -6,6 +6,10 @@ dependencies include deepspeed, flash-attn, vLLM and ray: CUDA builds, gigabytes
 for the duration of the import only. The tests skip when OpenRLHF is not installed, except under
 ``CI`` (set by ``.ci/run``'s callers), where a missing or wrong OpenRLHF fails them: CI must never pass
 without comparing against the real code.
+
+verl: ``make setup-dev`` installs the 0.9.1 wheel the same way (plus omegaconf and codetiming); the
+``verl`` fixture imports it with import-time stubs for ray, tensordict and orjson
+(tests/integrations/verl_env.py says what and why), under the same skip/fail rule.
 """
 
 from __future__ import annotations
@@ -77,3 +81,35 @@ def openrlhf_policy_loss() -> type:
         warnings.simplefilter("ignore", DeprecationWarning)
         module = importlib.import_module("openrlhf.models.loss")
     return module.PolicyLoss
+
+
+@pytest.fixture(scope="session")
+def verl() -> types.SimpleNamespace:
+    """verl 0.9.1's real modules, with ``rlkernel.integrations.verl`` imported (its losses registered):
+    ``core_algos`` (the registry, agg_loss and verl's own losses), ``ActorConfig`` and
+    ``PolicyLossConfig`` (verl's), ``dense_common``
+    (verl's fused forwards), ``monkey_patch`` and ``integration`` (tests/integrations/verl_env.py)."""
+    from . import verl_env
+
+    reason = verl_env.unavailable_reason()
+    if reason is not None:
+        if verl_env.in_ci():
+            pytest.fail(f"{reason}; CI must run the verl comparison (make setup-dev installs it)")
+        pytest.skip(reason)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        core_algos, config, dense_common, monkey_patch, integration = verl_env.import_verl(
+            "verl.trainer.ppo.core_algos",
+            "verl.workers.config",
+            "verl.models.transformers.dense_common",
+            "verl.models.transformers.monkey_patch",
+            "rlkernel.integrations.verl",
+        )
+    return types.SimpleNamespace(
+        core_algos=core_algos,
+        ActorConfig=config.ActorConfig,
+        PolicyLossConfig=config.PolicyLossConfig,  # verl's (the actor's nested policy_loss settings)
+        dense_common=dense_common,
+        monkey_patch=monkey_patch,
+        integration=integration,
+    )

@@ -1,11 +1,15 @@
 """``rlkernel.integrations``: rlkernel as a drop-in where users train (DESIGN.md, "Integrations").
 
-Each integration is a submodule, imported on its own (this package imports none of them, and none
-imports its framework: they read only the installed version):
+Each integration is a submodule, imported on its own (this package imports none of them):
 
     openrlhf    PolicyLoss: OpenRLHF 0.11.2's ``openrlhf.models.loss.PolicyLoss`` (same constructor,
                 ``forward`` and return values), computed by :func:`rlkernel.policy_loss`
-                (docs/integrations/openrlhf.md)
+                (docs/integrations/openrlhf.md). It never imports OpenRLHF (it reads the installed
+                version only).
+    verl        importing it registers ``rk_<mode>`` policy losses in verl 0.9.1's registry and an
+                ``impl_backend: rlkernel`` fused forward (docs/integrations/verl.md). It imports
+                verl: registering in verl's registry is its job, and verl's workers import it by
+                name (``actor_rollout_ref.model.external_lib``).
 
 An integration maps the framework's settings onto :class:`rlkernel.PolicyLossConfig` and the global
 normalizers, states the framework versions it is tested with, and raises at construction for a

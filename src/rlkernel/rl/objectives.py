@@ -177,11 +177,14 @@ def _gspo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
 
 
 def _gspo_token(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
-    seq_log_ratio = _seq_log_ratio(cfg, logp.detach(), old_logp, mask)
+    # log s_i of the configured convention, not clamped yet (see below)
+    mean = seq_log_sum(logp.detach() - old_logp, mask, seq_ratio_convention(cfg))
     # log s_it = sg[log s_i] + logp − sg[logp]: the value of s_i, the gradient of one token's logp.
-    log_ratio = (logp - logp.detach() + seq_log_ratio[:, None]).clamp(max=GSPO_LOG_RATIO_MAX)
+    # Clamped once, after the sum, as verl does: above the bound the token gets no gradient (a
+    # pre-clamped log s_i would sit exactly at the bound, where clamp passes the gradient).
+    log_ratio = (logp - logp.detach() + mean[:, None]).clamp(max=GSPO_LOG_RATIO_MAX)
     loss = clipped_surrogate(torch.exp(log_ratio), adv, cfg.clip_low, cfg.clip_high)
-    seq_ratio = torch.exp(seq_log_ratio)
+    seq_ratio = torch.exp(mean.clamp(max=GSPO_LOG_RATIO_MAX))
     return _sequence_term(loss, seq_ratio, adv_seq, mask, cfg, broadcast=False)
 
 
