@@ -157,7 +157,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k in range(m // eng.c):
-                sl, z = eng.chunk(k)
+                sl, z = eng.chunk(k, n)
                 lp, en, ls = eng.stats(sl, z, return_entropy)
                 r = slice(rows.start + sl.start, min(rows.start + sl.stop, rows.stop))
                 cnt = r.stop - r.start
@@ -192,7 +192,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k in range(m // c):
-                sl, z = eng.chunk(k)
+                sl, z = eng.chunk(k, n)
                 start, cnt = rows.start + sl.start, min(c, n - sl.start)
                 ent_c = _padded(entropy, c, start, cnt) if ge is not None else None
                 eng.chunk_grad(
@@ -210,6 +210,22 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         dw = _finish_dweight(dw, weight.dtype, None)
         db = None if db is None else db.to(bias.dtype)
         return dh, dw, db, None, None, None, None, None
+
+
+def _settings(chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, grad_enabled=True):
+    """The call's :class:`EngineSettings` (options read once, here). ``invariant_logits``, the
+    dtype of the patched LM head's logits, decides the chunk logits' dtype: fp32 or the input's."""
+    if invariant_logits is not None:
+        logits_dtype = "fp32" if invariant_logits == torch.float32 else "input"
+    return EngineSettings.from_options(
+        current_options(),
+        chunk_rows=chunk_rows,
+        grad_rows=grad_rows,
+        logits_dtype=logits_dtype,
+        dweight_accum=dweight_accum,
+        grad_enabled=grad_enabled,
+        invariant=invariant_logits is not None,
+    )
 
 
 def _flatten(hidden, token_ids):
@@ -230,6 +246,7 @@ def linear_token_logprobs_triton(
     grad_rows: int | None = None,
     logits_dtype: LogitsDtype | None = None,
     dweight_accum: DweightAccum | None = None,
+    invariant_logits: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``rlkernel.linear_token_logprobs`` through the chunk engine (inputs already validated).
 
@@ -244,19 +261,17 @@ def linear_token_logprobs_triton(
             ``linear_logits_dtype``.
         dweight_accum: ``"fp32"`` accumulator across chunks or ``"weight"`` (the weight's dtype);
             None: the option ``linear_dweight_accum``.
+        invariant_logits: None, or the dtype of the logits of a patched model's LM head (the input
+            dtype, or ``torch.float32``): each chunk's logits come from the batch-invariant GEMM in
+            that dtype (``logits_dtype`` is then ignored), so every logp/entropy is bitwise
+            ``token_logprobs`` of that LM head's logits, whatever the other rows and ``chunk_rows``.
 
     The options in force (``rlkernel.use_options``) are read once, here.
 
     Returns:
         fp32 ``logp [...]``, or ``(logp, entropy)``.
     """
-    settings = EngineSettings.from_options(
-        current_options(),
-        chunk_rows=chunk_rows,
-        grad_rows=grad_rows,
-        logits_dtype=logits_dtype,
-        dweight_accum=dweight_accum,
-    )
+    settings = _settings(chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits)
     if hidden.dtype == torch.float64:  # no fp64 kernel (fp32 statistics): the reference, in double
         from rlkernel.reference import logprobs as ref
 
@@ -268,6 +283,7 @@ def linear_token_logprobs_triton(
             temperature=temperature,
             ignore_index=ignore_index,
             return_entropy=return_entropy,
+            invariant_logits=invariant_logits,
         )
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)
@@ -302,7 +318,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k in range(m // c):
-                sl, z = eng.chunk(k)
+                sl, z = eng.chunk(k, n)
                 lp, en, ls = eng.stats(sl, z, with_entropy)
                 start, cnt = rows.start + sl.start, min(c, n - sl.start)
                 r = slice(start, start + cnt)
@@ -373,6 +389,7 @@ def fused_linear_token_loss(
     grad_rows: int | None = None,
     logits_dtype: LogitsDtype | None = None,
     dweight_accum: DweightAccum | None = None,
+    invariant_logits: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """A token-level loss from hidden states with its gradient computed in the forward pass.
 
@@ -394,7 +411,8 @@ def fused_linear_token_loss(
         hidden ``[..., H]``, weight ``[V, H]``, bias ``[V]`` or None: fp16/bf16/fp32, one dtype (the
             caller validates shapes and ids, as the public ops do; fp64 has no kernel: TypeError).
         token_ids: ``[...]`` integer ids, ``ignore_index`` at positions outside the loss.
-        chunk_rows, grad_rows, logits_dtype, dweight_accum: as in :func:`linear_token_logprobs_triton`.
+        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits: as in
+            :func:`linear_token_logprobs_triton`.
 
     Raises:
         TypeError: fp64 (or non-float) inputs, or weight/hidden dtypes that differ.
@@ -405,13 +423,8 @@ def fused_linear_token_loss(
             f"fused_linear_token_loss takes fp16/bf16/fp32 hidden and weight of one dtype, got hidden "
             f"{hidden.dtype} and weight {weight.dtype} (fp64 has no kernel: use the reference path)"
         )
-    settings = EngineSettings.from_options(
-        current_options(),
-        chunk_rows=chunk_rows,
-        grad_rows=grad_rows,
-        logits_dtype=logits_dtype,
-        dweight_accum=dweight_accum,
-        grad_enabled=torch.is_grad_enabled(),
+    settings = _settings(
+        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, torch.is_grad_enabled()
     )
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)

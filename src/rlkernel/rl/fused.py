@@ -49,6 +49,7 @@ from rlkernel._autocast import without_autocast
 from rlkernel._options import Options, current_options
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
+    invariant_logits_dtype,
     linear_token_logprobs,
     linear_token_logprobs_checked,
     token_logprobs_checked,
@@ -117,6 +118,8 @@ def fused_policy_loss(
     cu_seqlens: torch.Tensor | None = None,
     validate: bool = True,
     inplace_backward: bool = False,
+    invariant: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> PolicyLossOutput:
     """The RL loss from logits or hidden states; same result as ``policy_loss(token_logprobs(...))``.
 
@@ -135,6 +138,10 @@ def fused_policy_loss(
         inplace_backward: logits path only: the backward writes dL/dlogits into the logits' own
             storage (see :func:`rlkernel.token_logprobs`), so the step needs no memory for the
             gradient; the logits must not be used after the backward.
+        invariant, logits_dtype: hidden path only: the log-probs (and entropy) are bitwise those
+            ``token_logprobs`` gives for the logits of the LM head of a model patched by
+            ``rlkernel.invariant.patch_hf_model`` (with ``lm_head_dtype=logits_dtype``); see
+            :func:`rlkernel.linear_token_logprobs`. Not with ``tp_group``.
 
     Returns:
         :class:`PolicyLossOutput`; the loss is differentiable in ``logits`` or ``hidden``/``weight``/
@@ -155,6 +162,9 @@ def fused_policy_loss(
     _check_source(logits, hidden, weight, bias, tp_group)
     if inplace_backward and logits is None:
         raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
+    if logits is not None and (invariant is not False or logits_dtype is not None):
+        raise ValueError("invariant and logits_dtype apply to the hidden path only (the logits are given)")
+    inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
     token_ids = check.int_tensor("token_ids", token_ids)
     batch = validate_batch(
         cfg,
@@ -193,13 +203,15 @@ def fused_policy_loss(
             logits, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
         )
     if not tp and _token_level_linear(cfg, hidden, weight, opts):
-        return _fused_linear_token_level(hidden, weight, bias, (ids, active), batch, temperature)
+        return _fused_linear_token_level(hidden, weight, bias, (ids, active), batch, temperature, inv_dtype)
     want_entropy = cfg.entropy_coef != 0
     common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     if logits is not None:
         out = token_logprobs_checked(logits, ids, inplace_backward=inplace_backward, **common)
     elif not tp:
-        out = linear_token_logprobs_checked(hidden, weight, ids, bias=bias, **common)
+        out = linear_token_logprobs_checked(
+            hidden, weight, ids, bias=bias, invariant_logits=inv_dtype, **common
+        )
     else:
         if validate:
             # The vocab-parallel primitive checks the ids against the *global* vocabulary on every
@@ -242,7 +254,7 @@ def _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward,
     return _output(loss, logp, entropy if plan.want_entropy else None, batch)
 
 
-def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature):
+def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature, invariant_logits=None):
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
@@ -257,6 +269,7 @@ def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperatu
         temperature=temperature,
         ignore_index=IGNORE_INDEX,
         with_entropy=plan.want_entropy,
+        invariant_logits=invariant_logits,
     )
     entropy = outs[2] if plan.want_entropy else None
     return _output(outs[0], outs[1], entropy, batch)
