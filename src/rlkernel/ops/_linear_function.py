@@ -54,6 +54,14 @@ padded rows of logits GEMM per call (nothing at N ≫ C; a whole C-row GEMM for 
 plus one N·H staging copy. The staging also zeroes ignored rows, so garbage (NaN) hidden states at
 ignored positions reach neither dweight nor dbias (as in the reference).
 
+Invariant mode (``invariant_logits``: ``linear_token_logprobs(..., invariant=True)``). The chunk
+logits come from the batch-invariant GEMM (``kernels.matmul.matmul_into``: the kernel, the
+configuration table and the bias-before-rounding of a patched model's LM head) in that LM head's
+output dtype, so each row's logits, and then its log-probs from the same log-softmax kernel as
+``token_logprobs``, are those of the patched LM head bit for bit. That GEMM is row invariant at
+any M, so a chunk's GEMM covers its real rows only (the pad rows are ignored and never read).
+Backward as above (cuBLAS, at the logits the forward used).
+
 Memory model (b = 4 for fp32 chunk logits, 2 for bf16):
 
     chunk/group     C·V·b fp32 logits (none with bf16 logits: they live in the gradient buffer)
