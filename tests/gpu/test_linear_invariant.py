@@ -181,3 +181,31 @@ def test_patched_qwen3_decode_equals_fused_prefill(lm_head_dtype):
     # The default (non-invariant) fused path is what this replaces: it does not match (a control).
     default = fused_prefill_logprobs(model, prompts, completions, seqs, invariant=False)
     assert not torch.equal(default, train)
+
+
+@pytest.mark.parametrize("mode", ["default fp32", "default input", "invariant"])
+def test_padding_compaction_changes_no_logp_bit(mode):
+    """Padding compaction (the primitive projects only the active rows, packed): the active rows'
+    logp/entropy are bitwise those of the uncompacted engine. By construction for the invariant
+    GEMM; for cuBLAS this checks that a row's bits do not depend on its position inside the fixed
+    C-row chunk GEMM (compaction moves rows), at real size. Ragged padding: sequences of T = 512
+    with lengths uniform in [T/4, T]."""
+    from rlkernel.ops import _linear_function as lf
+
+    t = 16 if SMOKE else 512
+    b = N // t if SMOKE else 16
+    g = generator(7)
+    h = torch.randn(b * t, H, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(V, H, device=DEVICE, generator=g, dtype=torch.bfloat16).mul_(2 * H**-0.5)
+    ids = torch.randint(0, V, (b, t), device=DEVICE, generator=g)
+    lengths = torch.randint(t // 4, t + 1, (b, 1), device=DEVICE, generator=g)
+    ids = torch.where(torch.arange(t, device=DEVICE) < lengths, ids, -100).reshape(-1)
+    kw = {"invariant_logits": torch.bfloat16} if mode == "invariant" else {"logits_dtype": mode.split()[1]}
+    kw |= {"temperature": T, "return_entropy": True}
+    with torch.no_grad():
+        got = lf.linear_token_logprobs_triton(h, w, ids, **kw)
+        full = lf.linear_token_logprobs_triton(h, w, ids, compact=False, **kw)
+    assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1]), (
+        "compaction moved a row inside the chunk GEMM and changed its bits: cuBLAS is position "
+        "dependent here (turn compaction off for the non-invariant path)"
+    )

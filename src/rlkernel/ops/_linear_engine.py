@@ -48,6 +48,9 @@ class EngineSettings:
             in ``logits_dtype`` (``"input"``: rounded to the input dtype as that LM head's output;
             ``"fp32"``: its fp32 accumulator), instead of cuBLAS.
         matmul_table, matmul_thresholds: the options of the invariant GEMM (read with the others).
+        compact: padding compaction (the primitive): only the rows whose id is not
+            ``ignore_index`` are staged and projected (one host sync for their count); their
+            results are scattered back, the others get logp = entropy = dhidden = 0.
     """
 
     chunk_rows: int | None = None
@@ -60,6 +63,7 @@ class EngineSettings:
     invariant: bool = False
     matmul_table: str = DEFAULTS.matmul_table
     matmul_thresholds: MatmulThresholds = DEFAULTS.matmul_thresholds
+    compact: bool = True
 
     @classmethod
     def from_options(
@@ -72,6 +76,7 @@ class EngineSettings:
         dweight_accum: DweightAccum | None = None,
         grad_enabled: bool = True,
         invariant: bool = False,
+        compact: bool = True,
     ) -> EngineSettings:
         """The settings of one call: explicit arguments, else the options (validated). With
         ``invariant`` a ``logits_dtype`` of None means ``"input"`` (the logits of a default
@@ -101,6 +106,7 @@ class EngineSettings:
             bool(invariant),
             options.matmul_table,
             options.matmul_thresholds,
+            bool(compact),
         )
 
 
@@ -157,12 +163,23 @@ class _Engine:
     *chunks* of ``c`` rows (the logits GEMM's M: the unit of row invariance). ``cg`` is a multiple
     of ``c``. Group buffers: hidden rows ``[cg, H]`` and the gradient ``[cg, V]`` (input dtype); the
     fp32 logits of one chunk ``[c, V]`` (bf16 logits live in the gradient buffer, in place).
+
+    ``row_index`` (padding compaction): the int64 indices of the rows to process (the active ones,
+    in order); the engine's rows are then those rows only, numbered ``0 … n − 1`` in that order
+    (``groups()`` slices them), gathered into the staging buffer and scattered back into
+    ``dhidden`` by ``group_grads``. None: every row, in place.
     """
 
-    def __init__(self, hidden, weight, bias, ids, temperature, ignore_index, settings: EngineSettings):
-        self.h, self.w, self.ids = hidden, weight, ids
+    def __init__(
+        self, hidden, weight, bias, ids, temperature, ignore_index, settings: EngineSettings, row_index=None
+    ):
+        self.h, self.w = hidden, weight
+        self.idx = row_index
+        self.ids = ids if row_index is None else ids.index_select(0, row_index)
         self.t, self.ii = float(temperature), int(ignore_index)
         self.n, self.hdim = hidden.shape
+        if row_index is not None:
+            self.n = row_index.numel()
         self.v = weight.shape[0]
         dev, dt = hidden.device, hidden.dtype
         self.w32 = None
@@ -187,7 +204,7 @@ class _Engine:
         # The invariant GEMM adds the bias (in its own dtype) to the fp32 accumulator before the
         # one rounding, as the patched LM head does; cuBLAS chunks add it after, in zdt.
         self.bias, self.bias_z = bias, None if bias is None else bias.to(zdt)
-        self.active = ids != self.ii
+        self.active = self.ids != self.ii
         self.dw_started = False
 
     def groups(self):
@@ -200,7 +217,10 @@ class _Engine:
         n = rows.stop - rows.start
         m = -(-n // self.c) * self.c
         hb = self.hbuf
-        hb[:n].copy_(self.h[rows])
+        if self.idx is None:
+            hb[:n].copy_(self.h[rows])
+        else:
+            torch.index_select(self.h, 0, self.idx[rows], out=hb[:n])
         hb[:n].masked_fill_(~self.active[rows, None], 0)
         hb[n:m].zero_()
         self.idbuf[:n].copy_(self.ids[rows])
@@ -254,7 +274,9 @@ class _Engine:
         """dhidden rows, dweight and dbias contributions of the staged group (first m rows)."""
         g, hb = self.g[:m], self.hbuf[:m]
         if dh is not None:
-            if n == m:
+            if self.idx is not None:  # scattered back to the rows' places (the others stay 0)
+                dh.index_copy_(0, self.idx[rows], torch.mm(g, self.w)[:n])
+            elif n == m:
                 torch.mm(g, self.w, out=dh[rows])
             else:
                 dh[rows] = torch.mm(g, self.w)[:n]
