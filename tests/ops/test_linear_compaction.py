@@ -109,6 +109,7 @@ def test_only_active_rows_are_projected(monkeypatch):
     real_mm, real_chunk = mk.matmul_into, engine._Engine.chunk
     # seam: count the rows each GEMM projects
     monkeypatch.setattr(mk, "matmul_into", lambda a, *x, **k: rows.append(a.shape[0]) or real_mm(a, *x, **k))
+    # seam: count the chunk GEMMs
     monkeypatch.setattr(engine._Engine, "chunk", lambda self, *a: chunks.append(1) or real_chunk(self, *a))
     run(h, w, b, ids, invariant_logits=torch.bfloat16)
     assert sum(rows) == 2 * n_active  # forward, and the backward's recomputation
