@@ -5,11 +5,12 @@
 # the full console output is also kept in <results>/gpu_bench.log.
 #
 #   bash scripts/gpu_bench.sh                      # full logits suite (~3-4 min on an H100)
-#   QUICK=1 bash scripts/gpu_bench.sh              # N=8192 only, fewer repetitions (~1 min)
+#   QUICK=1 bash scripts/gpu_bench.sh              # fewer repetitions (~2-3 min)
 #   BENCH_ARGS="--workload dapo_kl_fwd_bwd --impl rlkernel,liger" bash scripts/gpu_bench.sh
 #
-# Liger-Kernel is a baseline only: if a .whl/ folder is present (carry it to the GPU machine; it is
-# git-ignored), its wheels are installed into /tmp/site without dependencies or network access. The
+# Liger-Kernel and TRL are baselines only: if a .whl/ folder is present (carry it to the GPU machine; it
+# is git-ignored), its wheels are installed into /tmp/site without dependencies or network access (the
+# bench imports only trl.kernels, which needs no TRL dependency beyond torch, triton, transformers). The
 # package itself is imported from src/, so no installation is needed. Without git on the GPU machine,
 # pass the commit in: RLKERNEL_GIT_COMMIT=<sha> bash scripts/gpu_bench.sh
 set -euo pipefail

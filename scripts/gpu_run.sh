@@ -4,13 +4,14 @@
 #
 #   STEPS="gpu_suite bench_logits" bash scripts/gpu_run.sh
 #
-# Steps (each is one command below; PYTHONPATH=src, Liger wheels from .whl/ when carried):
+# Steps (each is one command below; PYTHONPATH=src, the baselines' wheels from .whl/ when carried:
+# liger-kernel, trl; installed --no-deps into /tmp/site):
 #   pytest          the whole test suite on the GPU (tests that skip without CUDA run here)
 #   gpu_suite       scripts/gpu_suite.sh: the tests marked gpu (real-size checks, tests/gpu), then
 #                   the multi_gpu ones with >= 2 GPUs; logs + JUnit XML in results/gpu_suite/
 #                   (its own limits are 480 s + 300 s: raise STEP_TIMEOUT to match)
 #   consistency     scripts/gpu_consistency.sh         (rollout vs training log-probs, patched model)
-#   bench_logits    rlkernel bench logits
+#   bench_logits    rlkernel bench logits (~3-4 min on an H100: give it STEP_TIMEOUT=420)
 #   bench_linear    rlkernel bench linear
 #   bench_invariant rlkernel bench invariant
 # BENCH_ARGS reaches the bench steps, e.g. the opt-in variants: BENCH_ARGS="--impl rlkernel,rlkernel_composed".
@@ -34,6 +35,8 @@ STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
   python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
   python3 -c "import transformers; print('transformers', transformers.__version__)" 2>/dev/null || true
   python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>/dev/null || true
+  # The bench imports only trl.kernels (torch, triton, transformers, packaging): none of TRL's trainer deps.
+  python3 -c "import trl.kernels as k, importlib.metadata as m; print('trl', m.version('trl'), 'trl.kernels:', ', '.join(k.__all__))" 2>&1 | tail -n 1 || true
   echo "commit ${RLKERNEL_GIT_COMMIT:-unknown}"
 } | tee "$WORK/logs/env.log"
 

@@ -39,22 +39,23 @@ def _inputs(b: int, t: int, v: int):
     )
 
 
-def _step_fn(preset: str, x: dict, validate: bool):
+def _step_fn(preset: str, x: dict, validate: bool, fusion: bool = True):
     cfg = rk.PolicyLossConfig.preset(preset)
     if preset == "dapo":
         cfg = dataclasses.replace(cfg, kl_coef=1e-3, kl_estimator="k3")
 
     def step():
-        out = rk.fused_policy_loss(
-            cfg,
-            logits=x["logits"][:, :-1],
-            token_ids=x["ids"],
-            old_logp=x["old"],
-            advantages=x["adv"],
-            mask=x["mask"],
-            ref_logp=x["ref"],
-            validate=validate,
-        )
+        with rk.use_options(token_level_fusion=fusion):
+            out = rk.fused_policy_loss(
+                cfg,
+                logits=x["logits"][:, :-1],
+                token_ids=x["ids"],
+                old_logp=x["old"],
+                advantages=x["adv"],
+                mask=x["mask"],
+                ref_logp=x["ref"],
+                validate=validate,
+            )
         out.loss.backward()
 
     return step
@@ -81,19 +82,24 @@ def time_call(step, iters: int = 300) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("label", help="a name for this tree in the output (e.g. base, head)")
-    parser.add_argument("--profile", action="store_true", help="also cProfile 200 tiny DAPO calls")
+    parser.add_argument("--profile", action="store_true", help="also cProfile 200 tiny calls")
+    parser.add_argument("--composed", action="store_true", help="also token_level_fusion=False rows")
     args = parser.parse_args()
+    sizes = ((4, 64, 1024), (8, 1024, 151936))
+    inputs = {size: _inputs(*size) for size in sizes}
     for preset in ("dapo", "gspo"):
-        for validate in (True, False):
-            for b, t, v in ((4, 64, 1024), (4, 1024, 151936)):
-                host, piped = time_call(_step_fn(preset, _inputs(b, t, v), validate))
-                print(
-                    f"{args.label:5s} {preset} validate={validate!s:5s} N={b * t:5d} V={v:6d}: "
-                    f"host {host:6.3f} ms/call, back-to-back {piped:6.3f} ms/call",
-                    flush=True,
-                )
-    if args.profile:
-        step = _step_fn("dapo", _inputs(4, 64, 1024), validate=False)
+        for fusion in (True, False) if args.composed else (True,):
+            for validate in (True, False):
+                for b, t, v in sizes:
+                    host, piped = time_call(_step_fn(preset, inputs[b, t, v], validate, fusion), iters=100)
+                    name = preset + ("" if fusion else "-composed")
+                    print(
+                        f"{args.label:5s} {name:14s} validate={validate!s:5s} N={b * t:5d} V={v:6d}: "
+                        f"host {host:6.3f} ms/call, back-to-back {piped:6.3f} ms/call",
+                        flush=True,
+                    )
+    for preset in ("dapo", "gspo") if args.profile else ():
+        step = _step_fn(preset, inputs[sizes[0]], validate=True)
         time_call(step, iters=20)
         prof = cProfile.Profile()
         prof.enable()
@@ -102,7 +108,7 @@ def main() -> None:
         prof.disable()
         torch.cuda.synchronize()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
         print(out.getvalue())
 
 

@@ -1,6 +1,6 @@
 """Time and memory of fused_policy_loss (DAPO + k3 KL) fwd+bwd with logits sliced from a model output.
 
-    PYTHONPATH=src python3 scripts/profile_sliced_logits.py after     # on a CUDA machine
+    PYTHONPATH=src python3 scripts/profile_sliced_logits.py after [dapo|gspo] [V]    # on a CUDA machine
 
 The logits are ``base[:, P - 1 : -1]`` of a ``[B, P + T, V]`` bf16 tensor that requires grad (the
 trainer's call), against a contiguous ``[B, T, V]`` leaf; ``validate`` True and False; isolated
@@ -17,7 +17,8 @@ import torch
 import rlkernel as rk
 
 dev = "cuda"
-B, P, T, V = 8, 128, 1024, 151936
+PRESET = sys.argv[2] if len(sys.argv) > 2 else "dapo"
+B, P, T, V = 8, 128, 1024, int(sys.argv[3]) if len(sys.argv) > 3 else 151936
 g = torch.Generator(device="cpu").manual_seed(0)
 base = (2 * torch.randn(B, P + T, V, generator=g)).to(dev, torch.bfloat16).requires_grad_(True)
 ids = torch.randint(0, V, (B, T), generator=g).to(dev)
@@ -25,7 +26,9 @@ mask = (torch.rand(B, T, generator=g) > 0.1).to(dev)
 old = (-torch.rand(B, T, generator=g)).to(dev)
 ref = (-torch.rand(B, T, generator=g)).to(dev)
 adv = torch.randn(B, generator=g).to(dev)
-cfg = dataclasses.replace(rk.PolicyLossConfig.preset("dapo"), kl_coef=1e-3, kl_estimator="k3")
+cfg = rk.PolicyLossConfig.preset(PRESET)
+if PRESET == "dapo":
+    cfg = dataclasses.replace(cfg, kl_coef=1e-3, kl_estimator="k3")
 contig = base.detach()[:, P - 1 : -1].contiguous().requires_grad_(True)
 
 
@@ -67,7 +70,7 @@ for sliced in (False, True):
         iso, piped = timeit(lambda s=sliced, v=validate: step(s, v))
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30
         print(
-            f"{sys.argv[1]:5s} {'sliced' if sliced else 'contig'} validate={validate!s:5s}: "
+            f"{sys.argv[1]:5s} {PRESET} V={V} {'sliced' if sliced else 'contig'} validate={validate!s:5s}: "
             f"isolated {iso:6.2f} ms, back-to-back {piped:6.2f} ms, peak extra {peak:5.2f} GiB",
             flush=True,
         )

@@ -114,6 +114,7 @@ def test_kernel_branches_follow_the_plan():
         KL=KL_CODES["k1"],
         KL_STRAIGHT=True,
         HAS_DUAL=False,
+        HAS_OLD=True,
         HAS_ENTROPY=True,
         HAS_ROLLOUT=False,
         HAS_FACTOR=True,
@@ -145,7 +146,7 @@ def test_scalars_refuse_unknown_branches(changes, match):
         (dict(scalars={"loss": "ppo"}), TypeError, "scalars must be a TokenLossScalars"),
         (dict(ids=torch.zeros(S * T)), TypeError, "ids must be an integer tensor"),
         (dict(ids=torch.zeros(S, T, dtype=torch.long)), ValueError, "ids must be flat"),
-        (dict(old=None), TypeError, "old must be a torch.Tensor"),
+        (dict(old=[0.0] * (S * T)), TypeError, "old must be a torch.Tensor"),  # None: on-policy
         (dict(old=torch.randn(S * T - 1)), ValueError, r"old must be \[12\]"),
         (dict(old=torch.arange(S * T)), TypeError, "old must be a floating-point tensor"),
         (dict(adv=torch.randn(S - 1)), ValueError, r"adv must be \[S >= 3\]"),

@@ -9,11 +9,13 @@ Public API (see docs/ and DESIGN.md):
     global_normalizers                              token/sequence counts of a step over DP ranks
     use_backend                                     force "triton" / "reference" for a block of code
     use_options, Options, current_options          every other switch, scoped to a block of code
+    raise_pending_errors                            raise a deferred token-id error now (CUDA)
 """
 
 from rlkernel._dispatch import use_backend
 from rlkernel._options import MatmulThresholds, Options, current_options, use_options
 from rlkernel.distributed import global_normalizers
+from rlkernel.ops.id_checks import raise_pending_errors
 from rlkernel.ops.logprobs import linear_token_logprobs, token_logprobs
 from rlkernel.rl import (
     PolicyLossConfig,
@@ -39,6 +41,7 @@ __all__ = [
     "kl_penalty",
     "linear_token_logprobs",
     "policy_loss",
+    "raise_pending_errors",
     "token_logprobs",
     "use_backend",
     "use_options",

@@ -89,6 +89,7 @@ class TokenLossBranches(NamedTuple):
     KL: int  # KL_CODES (0: no KL term)
     KL_STRAIGHT: bool  # the "+" estimators: the value of KL, the gradient of k2
     HAS_DUAL: bool
+    HAS_OLD: bool  # False: on-policy, the kernel's own logp is old (no old tensor is read)
     HAS_ENTROPY: bool
     HAS_ROLLOUT: bool
     HAS_FACTOR: bool
@@ -177,12 +178,15 @@ class TokenLossPlan:
     Attributes:
         ids: int (int64 from ``build_plan``) per token, the sampled token ids with ``ignore_index``
             at inactive (masked) tokens; pass them to a log-prob engine as its ids.
-        old: fp32 per token, the behaviour policy's log-probs (ppo, cispo, sapo read them).
+        old: fp32 per token, the behaviour policy's log-probs (ppo, cispo, sapo read them), or None
+            for an on-policy loss: the kernels then use each token's own log-prob as old
+            (ratio 1, its gradient that of logp).
         adv: fp32 advantages, per token, or per sequence when ``adv_per_seq``.
         ref: fp32 per token, the reference policy's log-probs; required when ``scalars.kl`` is set,
             else None.
-        rollout_w: fp32 per token, the detached rollout-correction weight ρ_t (NaN where old or
-            rollout log-probs are not finite), or None without a correction.
+        rollout_w: fp32 per token, the detached weight ρ_t of the policy term: a rollout
+            correction's weight or the given ``rollout_weights``, times the NaN marker of rollout
+            rejection (NaN where old or rollout log-probs are not finite), or None without any.
         factor: fp32 aggregation factor (1/n_i for ``seq-mean-token-mean``), per token, or per
             sequence when ``factor_per_seq``; None means 1.
         denom: 0-dim tensor (any numeric dtype), the aggregation denominator read on the device (an
@@ -200,7 +204,7 @@ class TokenLossPlan:
     """
 
     ids: torch.Tensor
-    old: torch.Tensor
+    old: torch.Tensor | None
     adv: torch.Tensor
     ref: torch.Tensor | None
     rollout_w: torch.Tensor | None
@@ -229,7 +233,7 @@ class TokenLossPlan:
         # A per-sequence tensor must cover every sequence that tokens [row0, row0 + n) fall in.
         n_seqs = math.ceil((self.row0 + n) / self.seq_len)
         floats = (  # (name, tensor, per sequence, optional)
-            ("old", self.old, False, False),
+            ("old", self.old, False, True),
             ("adv", self.adv, self.adv_per_seq, False),
             ("ref", self.ref, False, True),
             ("rollout_w", self.rollout_w, False, True),
@@ -287,7 +291,7 @@ class TokenLossPlan:
             return t if t is not None else absent
 
         return TokenLossKernelInputs(
-            old=self.old,
+            old=given(self.old),
             adv=self.adv,
             ref=given(self.ref),
             rollout_w=given(self.rollout_w),
@@ -303,6 +307,7 @@ class TokenLossPlan:
             KL=KL_CODES[s.kl],
             KL_STRAIGHT=bool(s.kl_straight),
             HAS_DUAL=s.dual_clip is not None,
+            HAS_OLD=self.old is not None,
             HAS_ENTROPY=s.want_entropy,
             HAS_ROLLOUT=self.rollout_w is not None,
             HAS_FACTOR=self.factor is not None,
@@ -310,3 +315,35 @@ class TokenLossPlan:
             ADV_PER_SEQ=bool(self.adv_per_seq),
             FACTOR_PER_SEQ=bool(self.factor_per_seq),
         )
+
+    # ------------------------------------------------------------------ as custom-op arguments
+    def op_args(self) -> tuple:
+        """The plan flattened into ``torch.library`` schema types (tensors, two ``str``, ``float[]``,
+        ``int[]``), in the order of :meth:`from_op_args`: how a registered custom op
+        (``rlkernel::token_loss_from_logits``) receives it under ``torch.compile``."""
+        s = self.scalars
+        floats = [s.clip_lo, s.clip_hi, s.delta, math.nan if s.dual_clip is None else s.dual_clip,
+                  s.tau_pos, s.tau_neg, s.kl_coef, s.entropy_coef, s.norm_mult, s.denom_floor]  # fmt: skip
+        flags = [int(s.kl_straight), int(s.dual_clip is not None), int(self.seq_len), int(self.adv_per_seq),
+                 int(self.factor_per_seq), int(self.row0), int(self.ignore_index)]  # fmt: skip
+        tensors = (self.ids, self.old, self.adv, self.ref, self.rollout_w, self.factor, self.denom)
+        return (*tensors, s.loss, s.kl or "", [float(f) for f in floats], flags)
+
+    @classmethod
+    def from_op_args(
+        cls, ids, old, adv, ref, rollout_w, factor, denom, loss, kl, floats, flags
+    ) -> TokenLossPlan:
+        """The plan that :meth:`op_args` flattened."""
+        clip_lo, clip_hi, delta, dual, tau_pos, tau_neg, kl_coef, entropy_coef, norm_mult, floor = floats
+        kl_straight, has_dual, seq_len, adv_per_seq, factor_per_seq, row0, ignore_index = flags
+        scalars = TokenLossScalars(
+            loss=loss, clip_lo=clip_lo, clip_hi=clip_hi, delta=delta,
+            dual_clip=dual if has_dual else None, tau_pos=tau_pos, tau_neg=tau_neg,
+            kl=kl or None, kl_straight=bool(kl_straight), kl_coef=kl_coef,
+            entropy_coef=entropy_coef, norm_mult=norm_mult, denom_floor=floor,
+        )  # fmt: skip
+        return cls(
+            ids=ids, old=old, adv=adv, ref=ref, rollout_w=rollout_w, factor=factor, denom=denom,
+            scalars=scalars, seq_len=seq_len, adv_per_seq=bool(adv_per_seq),
+            factor_per_seq=bool(factor_per_seq), row0=row0, ignore_index=ignore_index,
+        )  # fmt: skip

@@ -151,21 +151,24 @@ def choice(name: str, value: object, choices: Iterable[object]) -> object:
 def token_ids_in_range(name: str, ids: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
     """Every id is in ``[0, vocab_size)`` or equals ``ignore_index`` (``None``: no id is exempt).
 
-    Costs one host sync."""
+    Costs one host sync (``rlkernel.ops.id_checks`` has the sync-free form for CUDA)."""
     if ids.numel() == 0:
         return
     bad = (ids < 0) | (ids >= vocab_size)
     if ignore_index is not None:
         bad &= ids != ignore_index
     if bool(bad.any()):
-        first = ids[bad].flatten()[0].item()
-        count = int(bad.sum().item())
-        raise ValueError(
-            f"{name} has {count} id(s) outside [0, {vocab_size})"
-            + (f" that are not ignore_index={ignore_index}" if ignore_index is not None else "")
-            + " "
-            f"(first: {first}); pass validate=False only if you are sure the ids are valid"
-        )
+        first = int(ids[bad].flatten()[0].item())
+        raise ValueError(token_ids_message(name, int(bad.sum().item()), vocab_size, ignore_index, first))
+
+
+def token_ids_message(name: str, count: int, vocab_size: int, ignore_index: int | None, first: int) -> str:
+    """The error of :func:`token_ids_in_range` (``count`` bad ids, ``first`` the first one)."""
+    exempt = f" that are not ignore_index={ignore_index}" if ignore_index is not None else ""
+    return (
+        f"{name} has {count} id(s) outside [0, {vocab_size}){exempt} (first: {first}); "
+        "pass validate=False only if you are sure the ids are valid"
+    )
 
 
 def cu_seqlens_tensor(name: str, cu: object, total: int) -> torch.Tensor:

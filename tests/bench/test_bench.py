@@ -16,21 +16,29 @@ from rlkernel.bench import SUITES, BenchError, cli, get_suite, harness, report
 from rlkernel.bench import logits as bl
 
 SUITE = SUITES["logits"]
+# The default implementations of each workload (the trl rows are tested in test_bench_sliced.py: its
+# kernel takes seconds per call in the interpreter, so the shared smoke run leaves it out).
 APPLICABLE = {
-    "logprobs_fwd": ("rlkernel", "torch", "torch.compile", "liger"),
-    "logprobs_entropy_fwd": ("rlkernel", "torch", "torch.compile"),
-    "logprobs_fwd_bwd": ("rlkernel", "torch", "torch.compile"),
-    "logprobs_entropy_fwd_bwd": ("rlkernel", "torch", "torch.compile"),
+    "sliced_dapo_kl_fwd_bwd": ("rlkernel", "torch", "torch.compile", "liger"),
+    "sliced_gspo_fwd_bwd": ("rlkernel", "torch", "torch.compile", "liger"),
+    "sliced_logprobs_entropy_fwd_bwd": ("rlkernel", "torch", "torch.compile", "trl"),
+    "sliced_logprobs_entropy_fwd": ("rlkernel", "torch", "torch.compile", "trl"),
+    "logprobs_fwd": ("rlkernel", "torch", "torch.compile", "liger", "trl"),
+    "logprobs_entropy_fwd": ("rlkernel", "torch", "torch.compile", "trl"),
+    "logprobs_fwd_bwd": ("rlkernel", "torch", "torch.compile", "trl"),
+    "logprobs_entropy_fwd_bwd": ("rlkernel", "torch", "torch.compile", "trl"),
     "dapo_kl_fwd_bwd": ("rlkernel", "torch", "torch.compile", "liger"),
     "gspo_fwd_bwd": ("rlkernel", "torch", "torch.compile", "liger"),
 }
+SMOKE_IMPLS = ("rlkernel", "torch", "torch.compile", "liger")
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One CPU smoke run of the whole logits suite through the CLI, shared by the tests below."""
+    """One CPU smoke run of the whole logits suite (but TRL) through the CLI, shared by the tests
+    below."""
     out = tmp_path_factory.mktemp("bench")
-    rc = cli.main(["logits", "--smoke", "--rounds", "1", "--out", str(out)])
+    rc = cli.main(["logits", "--smoke", "--rounds", "1", "--impl", ",".join(SMOKE_IMPLS), "--out", str(out)])
     with (out / "logits.csv").open(newline="") as f:
         rows = list(csv.DictReader(f))
     return rc, out, rows
@@ -53,8 +61,13 @@ def test_smoke_one_row_per_workload_and_impl(smoke):
     _, _, rows = smoke
     keys = [(r["workload"], r["n_tokens"], r["vocab"], r["impl"]) for r in rows]
     assert len(keys) == len(set(keys))
-    expected = {(w, "64", "100", i) for w, impls in APPLICABLE.items() for i in (*impls, "ceiling")}
+    expected = {
+        (w, "64", "100", i) for w, impls in APPLICABLE.items() for i in (*impls, "ceiling") if i != "trl"
+    }
     assert set(keys) == expected
+    # The headline (sliced) workloads come first, in the CSV as in the run.
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    assert names == list(APPLICABLE) and all(n.startswith("sliced_") for n in names[:4])
     for r in rows:
         assert r["device"] == "cpu" and "smoke" in r["gpu"]
         assert r["torch"] == torch.__version__ and r["date_utc"].endswith("Z") and r["commit"]
@@ -69,6 +82,9 @@ def test_smoke_one_row_per_workload_and_impl(smoke):
             assert r["status"] == "ok", r
             assert float(r["median_ms"]) > 0 and float(r["tbps"]) > 0 and int(r["samples"]) == 1
             assert 0 < float(r["frac_copy_bw"]) and float(r["first_call_s"]) > 0
+            assert float(r["b2b_ms"]) > 0 and r["b2b_calls"] == "2"  # --smoke: loops of 2 calls
+            if r["impl"] == "rlkernel":
+                assert "default arguments" in r["notes"], r["notes"]
 
 
 def test_smoke_cross_checks_against_plain_torch(smoke):
@@ -93,6 +109,13 @@ def test_readme_rewrites_only_the_marked_block(smoke, tmp_path):
     assert "old table" not in block
     assert "| dapo_kl_fwd_bwd (fwd+bwd) | 64 | 100 |" in block and "CPU smoke run" in block
     assert "| workload | n_tokens | vocab | rlkernel | torch | torch.compile | liger | ceiling |" in block
+    # The table leads with the sliced workloads (the run's order); cells: isolated / back to back.
+    lines = [line for line in block.splitlines() if line.startswith("| ") and "(fwd" in line]
+    assert lines[0].startswith("| sliced_dapo_kl_fwd_bwd (fwd+bwd) | 64 | 100 | ")
+    assert [line.split(" (")[0] for line in lines] == ["| " + w for w in APPLICABLE]
+    assert "per call back to back (2 calls, one sync)" in block
+    iso, b2b = lines[0].split(" | ")[3].removesuffix(" ms").split(" / ")
+    assert float(iso) > 0 and float(b2b) > 0
     before = readme.read_text()
     assert not report.update_readme(readme, out)  # idempotent
     assert readme.read_text() == before
@@ -153,10 +176,12 @@ def test_list(capsys):
 def test_workload_matrix_and_bytes_model():
     opts = harness.Options(device=torch.device("cuda"))
     full = SUITE.build(opts)
-    assert len(full) == 6 * 3 * 2
-    assert {(w.params["n_tokens"], w.params["vocab"]) for w in full} == {
-        (n, v) for n in (4096, 8192, 16384) for v in (32768, 151936)
-    }
+    assert len(full) == 10 * 2  # every kind at N = 8192, V in {32768, 151936}: the sliced ones first
+    assert [w.name for w in full[::2]] == list(APPLICABLE)
+    assert {(w.params["n_tokens"], w.params["vocab"]) for w in full} == {(8192, 32768), (8192, 151936)}
+    assert all(w.back_to_back and w.reference == "torch" for w in full)
+    grid = SUITE.build(harness.Options(device=torch.device("cuda"), n_tokens=(4096, 8192, 16384)))
+    assert len(grid) == 10 * 3 * 2  # the former grid, on request
     quick = SUITE.build(harness.Options(device=torch.device("cuda"), quick=True))
     assert {w.params["n_tokens"] for w in quick} == {8192}
     n, v = 8192, 151936
@@ -165,9 +190,26 @@ def test_workload_matrix_and_bytes_model():
     assert by["logprobs_entropy_fwd_bwd", n, v].bytes_moved == 3 * n * v * 2 + 2 * n * 16
     assert by["dapo_kl_fwd_bwd", n, v].bytes_moved == 3 * n * v * 2 + 2 * n * 21
     assert by["gspo_fwd_bwd", n, v].bytes_moved == 3 * n * v * 2 + 2 * n * 17
-    assert by["logprobs_fwd_bwd", n, v].impls == ("rlkernel", "torch", "torch.compile")
+    # Sliced: B = 8 sequences of T = 1024 after P = 128 prompt positions; A active tokens (the
+    # ragged lengths); read the active rows (twice with a backward), write the whole base gradient.
+    lengths = bl.ragged_lengths(8, 1024)
+    active = int(lengths.sum())
+    assert 8 * 256 <= active <= n and active < n  # padding is part of the workload
+    base = 8 * (128 + 1024) * v * 2
+    assert by["sliced_dapo_kl_fwd_bwd", n, v].bytes_moved == 2 * active * v * 2 + base + 2 * n * 21
+    assert by["sliced_gspo_fwd_bwd", n, v].bytes_moved == 2 * active * v * 2 + base + 2 * n * 17
+    assert by["sliced_logprobs_entropy_fwd_bwd", n, v].bytes_moved == 2 * active * v * 2 + base + 2 * n * 16
+    assert by["sliced_logprobs_entropy_fwd", n, v].bytes_moved == active * v * 2 + n * 16
+    assert by["sliced_dapo_kl_fwd_bwd", n, v].input_bytes == base
+    assert by["logprobs_fwd_bwd", n, v].impls == ("rlkernel", "torch", "torch.compile", "trl")
+    assert by["sliced_logprobs_entropy_fwd", n, v].impls == ("rlkernel", "torch", "torch.compile", "trl")
+    assert by["sliced_dapo_kl_fwd_bwd", n, v].impls == ("rlkernel", "torch", "torch.compile", "liger")
     only = SUITE.build(harness.Options(device=torch.device("cuda"), impls=("liger",)))
-    assert {w.name for w in only} == {"logprobs_fwd", "dapo_kl_fwd_bwd", "gspo_fwd_bwd"}
+    assert {w.name for w in only} == {
+        "sliced_dapo_kl_fwd_bwd", "sliced_gspo_fwd_bwd", "logprobs_fwd", "dapo_kl_fwd_bwd", "gspo_fwd_bwd"
+    }  # fmt: skip
+    only = SUITE.build(harness.Options(device=torch.device("cuda"), impls=("trl",)))
+    assert {w.name for w in only} == {k for k, impls in APPLICABLE.items() if "trl" in impls}
 
 
 def test_harness_helpers():

@@ -37,22 +37,25 @@ def test_variants_are_opt_in(suite, capsys):
 
 def test_logits_variants(tmp_path):
     """Every logits variant where it applies: the in-place backward on the log-prob and loss
-    workloads (no cross-check: it overwrites its inputs), the loss switches on DAPO."""
-    kinds = ("logprobs_fwd_bwd", "dapo_kl_fwd_bwd", "gspo_fwd_bwd")
+    workloads (no cross-check: it overwrites its inputs), the loss switches on DAPO, and the same on
+    the sliced (users') layout, where the in-place backward writes into the model output's copy."""
+    kinds = ("logprobs_fwd_bwd", "dapo_kl_fwd_bwd", "gspo_fwd_bwd", "sliced_dapo_kl_fwd_bwd",
+             "sliced_logprobs_entropy_fwd_bwd")  # fmt: skip
     rows = run(tmp_path, "logits", ("torch", *bl.VARIANTS), kinds)
     got = {(r["workload"], r["impl"]): r for r in rows}
-    expected = {("logprobs_fwd_bwd", "rlkernel_inplace")}
-    expected |= {("dapo_kl_fwd_bwd", v) for v in bl.VARIANTS}
-    expected |= {("gspo_fwd_bwd", v) for v in ("rlkernel_inplace", "rlkernel_validate")}
+    expected = {(k, "rlkernel_inplace") for k in ("logprobs_fwd_bwd", "sliced_logprobs_entropy_fwd_bwd")}
+    expected |= {(k, v) for k in ("dapo_kl_fwd_bwd", "sliced_dapo_kl_fwd_bwd") for v in bl.VARIANTS}
+    expected |= {("gspo_fwd_bwd", v) for v in ("rlkernel_inplace", "rlkernel_novalidate")}
     assert {k for k in got if k[1] in bl.VARIANTS} == expected
     for key in expected:
         r = got[key]
-        assert r["status"] == "ok" and float(r["median_ms"]) > 0, r
+        assert r["status"] == "ok" and float(r["median_ms"]) > 0 and float(r["b2b_ms"]) > 0, r
         if key[1] == "rlkernel_inplace":
             assert r["max_abs_diff"] == "" and "not cross-checked" in r["notes"]
         else:
             assert float(r["max_abs_diff"]) <= 1e-5 and float(r["grad_rel_diff"]) <= 1e-2, r
     assert "token_level_fusion=False" in got[("dapo_kl_fwd_bwd", "rlkernel_composed")]["notes"]
+    assert "validate=False" in got[("sliced_dapo_kl_fwd_bwd", "rlkernel_novalidate")]["notes"]
 
 
 def test_linear_variants(tmp_path):

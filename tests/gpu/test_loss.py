@@ -31,12 +31,14 @@ TEMPERATURE = 0.9
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 2**-7
 METRIC_ATOL = 1e-4
-CONFIGS = {  # label: (preset, overrides, takes the fused token-level path)
+CONFIGS = {  # label: (preset, overrides, has a token-level plan; else the fused coefficient path)
     "dapo+kl": ("dapo", dict(kl_coef=1e-3, kl_estimator="k3"), True),
     "ppo": ("ppo", {}, True),
     "cispo": ("cispo", {}, True),
     "sapo": ("sapo", {}, True),
     "gspo": ("gspo", {}, False),
+    "gspo_token+kl": ("gspo", dict(loss_type="gspo_token", kl_coef=1e-3), False),
+    "gmpo+entropy": ("gmpo", dict(entropy_coef=1e-3), False),
 }
 THREE_PASS = dict(grad_in_forward_max_vocab=0)
 TWO_PASS = dict(grad_in_forward_max_vocab=1 << 30)
@@ -105,9 +107,9 @@ def dapo_kl():
 
 @pytest.mark.parametrize("label", list(CONFIGS))
 def test_fused_path_matches_composed_path(inputs, label):
-    """Loss, logits gradient and metrics of each objective with token-level fusion (3-pass) against
-    the composed path (``token_level_fusion=False``); GSPO is not eligible and takes the composed
-    path either way."""
+    """Loss, logits gradient and metrics of each objective on its fused path (the token-level plan,
+    3-pass; the sequence-level ones: the fused coefficient path) against the composed path
+    (``token_level_fusion=False``)."""
     preset, overrides, eligible = CONFIGS[label]
     cfg = rk.PolicyLossConfig.preset(preset, **overrides)
     assert token_loss.is_eligible(cfg) == eligible
@@ -138,6 +140,59 @@ def test_out_of_range_active_id_without_validation_gives_nan(inputs):
     bad = SimpleNamespace(**{**vars(inputs), "ids": ids})
     loss = run_loss(dapo_kl(), bad, validate=False).loss
     assert bool(torch.isnan(loss)), loss
+
+
+def test_active_ignore_index_id_without_validation_gives_nan(inputs):
+    """An *active* id equal to ignore_index (-100), ``validate=False``: NaN, not a dropped token."""
+    ids = inputs.ids.clone()
+    ids[0, 0] = -100
+    loss = run_loss(dapo_kl(), SimpleNamespace(**{**vars(inputs), "ids": ids}), validate=False).loss
+    assert bool(torch.isnan(loss)), loss
+
+
+@pytest.mark.parametrize("label", ["dapo+kl", "gspo"])
+def test_default_call_makes_no_host_sync(inputs, label):
+    """Default arguments (``validate=True``), logits sliced from a larger output: forward and
+    backward run under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host sync."""
+    preset, overrides, _ = CONFIGS[label]
+    cfg = rk.PolicyLossConfig.preset(preset, **overrides)
+    b, t, vocab = inputs.logits.shape
+    base = torch.zeros(b, t + 1, vocab, device=DEVICE, dtype=inputs.logits.dtype)
+    base[:, :-1].copy_(inputs.logits.detach())
+    base.requires_grad_(True)
+    run_loss(cfg, inputs, logits=base[:, :-1]).loss.backward()  # warm up (compiles, caches)
+    torch.cuda.synchronize()
+    rk.raise_pending_errors()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run_loss(cfg, inputs, logits=base[:, :-1])
+        out.loss.backward()
+        rk.token_logprobs(inputs.logits.detach(), inputs.ids.clamp_min(0), return_entropy=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    rk.raise_pending_errors()  # nothing pending is bad: no error
+
+
+def test_bad_id_with_default_validation_raises_at_the_next_call(inputs):
+    """``validate=True`` (default) with an active id >= V on CUDA: no sync in the call, the loss is
+    NaN at once, and the ValueError (count, first bad id) comes from the next checking call made
+    after the GPU finished; ``rk.raise_pending_errors()`` raises it too (it waits)."""
+    vocab = inputs.logits.shape[-1]
+    ids = inputs.ids.clone()
+    ids[0, 0], ids[1, 0] = vocab + 12345, vocab + 7
+    bad = SimpleNamespace(**{**vars(inputs), "ids": ids})
+    loss = run_loss(dapo_kl(), bad).loss
+    assert bool(torch.isnan(loss)), loss
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=rf"2 id\(s\) outside \[0, {vocab}\).*first: {vocab + 12345}"):
+        run_loss(dapo_kl(), inputs)
+    rk.raise_pending_errors()  # raised once: nothing left
+    run_loss(dapo_kl(), bad)
+    with pytest.raises(ValueError, match="first: "):
+        rk.raise_pending_errors()
+    with pytest.raises(ValueError, match="token_ids has 2 id"):
+        rk.token_logprobs(inputs.logits.detach(), ids.clamp(0, vocab), ignore_index=-100)
+        rk.raise_pending_errors()
 
 
 @real_size_only
@@ -223,3 +278,63 @@ def test_sliced_logits_backward_holds_one_base_sized_buffer(inputs, route):
     else:
         assert torch.equal(leaf.grad, want_leaf.grad) and leaf.grad.data_ptr() == leaf.data_ptr()
     assert bool((leaf.grad[:, : p - 1] == 0).all()) and bool((leaf.grad[:, -1] == 0).all())
+
+
+@pytest.mark.parametrize("label", ["dapo+kl", "gspo"])
+def test_forward_backward_captured_in_a_cuda_graph_replays_with_new_inputs(inputs, label):
+    """``fused_policy_loss`` forward + backward (default arguments) captured in one CUDA graph and
+    replayed after copying new inputs into the static tensors: loss and logits gradient equal an
+    eager call on the new inputs (bitwise: the same kernels in the same order)."""
+    preset, overrides, _ = CONFIGS[label]
+    cfg = rk.PolicyLossConfig.preset(preset, **overrides)
+    static = SimpleNamespace(**{k: v.detach().clone() for k, v in vars(inputs).items()})
+    static.logits.requires_grad_(True)
+
+    def step():
+        out = run_loss(cfg, static)
+        (grad,) = torch.autograd.grad(out.loss, static.logits)
+        return out.loss.detach(), grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile, allocator) off the capture stream
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss_out, grad_out = step()
+
+    fresh = make_inputs(inputs.logits.shape[-1], seed=123)
+    with torch.no_grad():
+        for name in ("logits", "ids", "mask", "old_logp", "ref_logp", "advantages"):
+            getattr(static, name).copy_(getattr(fresh, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = run_loss(cfg, fresh)
+    (g_want,) = torch.autograd.grad(want.loss, fresh.logits)
+    assert torch.equal(loss_out, want.loss.detach()), (loss_out, want.loss)
+    assert torch.equal(grad_out, g_want)
+
+
+@pytest.mark.parametrize("label", ["dapo+kl", "sapo"])
+def test_torch_compile_fullgraph_keeps_the_fused_op(inputs, label):
+    """``torch.compile(fullgraph=True)`` (Inductor) of a forward + backward with ``validate=False``
+    (the id check is eager-only): the token-level objective runs as the registered custom op
+    ``rlkernel::token_loss_from_logits``; loss and logits gradient equal the eager fused call's."""
+    preset, overrides, _ = CONFIGS[label]
+    cfg = rk.PolicyLossConfig.preset(preset, **overrides)
+
+    def step(logits, ids, mask, old, ref, adv):
+        out = rk.fused_policy_loss(cfg, logits=logits, token_ids=ids, mask=mask, old_logp=old,
+                                   ref_logp=ref if cfg.kl_coef > 0 else None, advantages=adv,
+                                   temperature=TEMPERATURE, validate=False)  # fmt: skip
+        return out.loss
+
+    args = (inputs.ids, inputs.mask, inputs.old_logp, inputs.ref_logp, inputs.advantages)
+    want = step(inputs.logits, *args)
+    (g_want,) = torch.autograd.grad(want, inputs.logits)
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(inputs.logits, *args)
+    (g_got,) = torch.autograd.grad(got, inputs.logits)
+    assert_same_loss_and_grad(SimpleNamespace(loss=got), g_got, SimpleNamespace(loss=want), g_want)

@@ -5,9 +5,19 @@ import torch
 
 import rlkernel as rk
 
+from .formulas_more import MORE_LOSS_CONFIGS
 from .helpers import LOSS_CONFIGS, config, make_batch
 
 VOCAB, HIDDEN = 13, 8
+# Every loss type, plus the issue-14 loss types and options (none of them takes the token-level
+# plan except token-sum with an eligible loss type; the fused call must equal the composition).
+FUSED_CONFIGS = {
+    **LOSS_CONFIGS,
+    **MORE_LOSS_CONFIGS,
+    "ppo_kl_ratio_weighted": {**LOSS_CONFIGS["ppo"], "kl_ratio_weighted": True},
+    "gspo_kl_ratio_weighted": {**LOSS_CONFIGS["gspo"], "kl_ratio_weighted": True},
+    "cispo_token_sum": {**LOSS_CONFIGS["cispo"], "aggregation": "token-sum"},
+}
 
 
 def _problem(seed=0, packed=False):
@@ -88,13 +98,21 @@ def _fused(cfg, p, source, temperature):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("source", ["logits", "hidden"])
-@pytest.mark.parametrize("name", list(LOSS_CONFIGS))
+@pytest.mark.parametrize("name", list(FUSED_CONFIGS))
 def test_fused_equals_composition(name, source, packed):
-    cfg = config(
-        name, kl_coef=0.1, entropy_coef=0.02 if name != "reinforce" else 0.0, rollout_correction="token_tis"
+    cfg = rk.PolicyLossConfig(
+        **{
+            **FUSED_CONFIGS[name],
+            "kl_coef": 0.1,
+            "entropy_coef": 0.02 if name != "reinforce" else 0.0,
+            "rollout_correction": "token_tis",
+        }
     )
     p = _problem(seed=len(name), packed=packed)
-    fused, composed = _fused(cfg, p, source, 0.7), _composed(cfg, p, source, 0.7)
+    torch.manual_seed(0)  # clip_cov draws its tokens from the default generator: the same draw twice
+    fused = _fused(cfg, p, source, 0.7)
+    torch.manual_seed(0)
+    composed = _composed(cfg, p, source, 0.7)
     torch.testing.assert_close(fused.loss, composed.loss, atol=1e-12, rtol=1e-12)
     assert fused.metrics.keys() == composed.metrics.keys()
     leaves = [p["logits"]] if source == "logits" else [p["hidden"], p["weight"], p["bias"]]
@@ -275,13 +293,101 @@ def test_token_level_path_with_global_normalizers(aggregation, monkeypatch, set_
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
 
 
+SEQUENCE_LEVEL = [n for n, c in LOSS_CONFIGS.items() if n not in TOKEN_LEVEL]
+
+
+def _coefficient_path_spy(monkeypatch):
+    """Spy on the fused coefficient path (sequence-level objectives from logits)."""
+    import rlkernel.rl.fused as fused_mod
+
+    calls = []
+    real = fused_mod._fused_autograd_coefficients
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_mod, "_fused_autograd_coefficients", spy)  # seam: spy
+    return calls
+
+
 @interpreter_quiet
-def test_gspo_keeps_the_composed_path(monkeypatch, set_options):
-    calls = _token_path_spy(monkeypatch, set_options)
-    p = _on_device(_problem(seed=13))
-    fused, composed, g_fused, g_composed = _triton_vs_reference(config("gspo"), p)
-    assert not calls
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("name", SEQUENCE_LEVEL)
+def test_sequence_level_fused_path_equals_composition(name, aggregation, packed, monkeypatch):
+    calls = _coefficient_path_spy(monkeypatch)
+    extra = dict(kl_coef=0.1, entropy_coef=0.02, rollout_correction="token_tis")
+    cfg = config(name, aggregation=aggregation, **extra)
+    p = _on_device(_problem(seed=len(name) + len(aggregation), packed=packed))
+    fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
+    assert calls, "the sequence-level config did not take the fused coefficient path"
+    torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
+    assert fused.metrics.keys() == composed.metrics.keys()
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], atol=1e-5, rtol=1e-5)
+
+
+@interpreter_quiet
+def test_sequence_level_fused_path_with_global_normalizers_and_sliced_logits(monkeypatch):
+    """gspo from a window of a larger base (the model output's slice): the base gets the whole
+    gradient, zero outside the window, equal to the composed path's."""
+    calls = _coefficient_path_spy(monkeypatch)
+    cfg = config("gspo", aggregation="seq-mean-token-mean")
+    p = _on_device(_problem(seed=21))
+    b = p["batch"]
+    base = torch.randn(3, 7, VOCAB, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3))
+    base.requires_grad_(True)
+    kw = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"],
+              global_seqs=torch.tensor(5.0, device=DEVICE))  # fmt: skip
+    grads = []
+    for backend in ("triton", "reference"):
+        with rk.use_backend(backend):
+            out = rk.fused_policy_loss(cfg, logits=base[:, 1:-1], **kw)
+            grads.append((out.loss, *torch.autograd.grad(out.loss, base)))
+    assert calls
+    torch.testing.assert_close(grads[0][0], grads[1][0], **F32_TOL)
+    torch.testing.assert_close(grads[0][1], grads[1][1], **F32_TOL)
+    assert torch.count_nonzero(grads[0][1][:, 0]) == 0 and torch.count_nonzero(grads[0][1][:, -1]) == 0
+
+
+@interpreter_quiet
+def test_sequence_level_without_grad_keeps_the_composed_path(monkeypatch):
+    calls = _coefficient_path_spy(monkeypatch)
+    p = _on_device(_problem(seed=22))
+    with rk.use_backend("triton"), torch.no_grad():
+        out = _fused(config("gspo"), p, "logits", 1.0)
+    assert not calls and torch.isfinite(out.loss)
+
+
+@interpreter_quiet
+def test_sequence_level_all_masked_gives_zero_loss_and_gradient():
+    p = _on_device(_problem(seed=23))
+    p["batch"]["mask"] = torch.zeros_like(p["batch"]["mask"])
+    with rk.use_backend("triton"):
+        out = _fused(config("gmpo", entropy_coef=0.1), p, "logits", 1.0)
+        (grad,) = torch.autograd.grad(out.loss, p["logits"])
+    assert out.loss.item() == 0.0 and torch.count_nonzero(grad) == 0
+
+
+@interpreter_quiet
+@pytest.mark.parametrize("name", [*MORE_LOSS_CONFIGS, "ppo_kl_ratio_weighted"])
+def test_issue14_types_take_the_fused_coefficient_path(name, monkeypatch):
+    """The loss types without a token-level plan (and the ratio-weighted KL) from logits: the fused
+    coefficient path, equal to the composed path on the reference backend."""
+    calls = _coefficient_path_spy(monkeypatch)
+    cfg = rk.PolicyLossConfig(**{**FUSED_CONFIGS[name], "kl_coef": 0.1})
+    p = _on_device(_problem(seed=13))
+    results = []
+    for backend in ("triton", "reference"):
+        torch.manual_seed(0)
+        with rk.use_backend(backend):
+            out = _fused(cfg, p, "logits", 0.7)
+            results.append((out.loss, torch.autograd.grad(out.loss, p["logits"])[0]))
+    assert calls, "the config did not take the fused coefficient path"
+    torch.testing.assert_close(results[0][0], results[1][0], **F32_TOL)
+    torch.testing.assert_close(results[0][1], results[1][1], **F32_TOL)
 
 
 @interpreter_quiet
@@ -463,3 +569,21 @@ def test_unsupported_second_backward_says_why_and_how_to_avoid_it(
             monkeypatch.setattr(fn_mod, "graph_retained", lambda: None, raising=False)
             with pytest.raises(RuntimeError, match="cannot tell whether a backward retains.*" + advice):
                 _grads_after(cfg, p, source, 2, **extra)
+
+
+@interpreter_quiet
+@pytest.mark.parametrize("name", ["ppo", "gspo"])
+def test_active_ignore_index_id_without_validation_gives_nan(name):
+    """An active id equal to the internal ignore_index (-100) with ``validate=False``: the kernels
+    see it as out of range (NaN loss), never as a position to skip."""
+    p = _on_device(_problem(seed=24))
+    mask = p["batch"]["mask"]
+    row, col = (mask != 0).nonzero()[0].tolist()
+    p["ids"][row, col] = -100
+    with rk.use_backend("triton"):
+        b = p["batch"]
+        out = rk.fused_policy_loss(
+            config(name), logits=p["logits"], token_ids=p["ids"], old_logp=b["old_logp"],
+            advantages=b["advantages"], mask=mask, validate=False,
+        )  # fmt: skip
+    assert torch.isnan(out.loss)

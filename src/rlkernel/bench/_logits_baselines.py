@@ -5,6 +5,9 @@
     torch          plain PyTorch: fp32 log-softmax + gather (:func:`torch_token_logprobs`) and the RL
                    algebra written out (:func:`plain_policy_loss`); ``torch.compile`` compiles the same
     liger          adapters that configure Liger-Kernel's ``GrpoLossFunction`` for the same objective
+    trl            TRL's fused log-prob + entropy kernel, ``trl.kernels.selective_log_softmax_and_entropy``
+                   (TRL 1.16; only ``trl.kernels`` is imported, which needs torch, triton, transformers
+                   and packaging, none of TRL's trainer dependencies)
 
 What is timed, on which inputs, and how bytes are counted is in :mod:`rlkernel.bench.logits`, which
 binds these implementations to the workloads (and re-exports every name defined here).
@@ -226,3 +229,31 @@ def liger_loss_kwargs(spec: LossSpec) -> dict[str, Any]:
     if spec.delta is not None:
         kwargs["delta"] = spec.delta
     return kwargs
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL
+# --------------------------------------------------------------------------------------------------
+
+TRL_MODULE = "trl.kernels"
+TRL_FUNCTION = "selective_log_softmax_and_entropy"
+
+
+def _trl(device: torch.device, module: str = TRL_MODULE) -> tuple[Any, str]:
+    """``(selective_log_softmax_and_entropy, "")`` from TRL's ``trl.kernels``, or ``(None, why)``.
+
+    ``fn(logits [..., V] (last dim contiguous, any leading strides), index [...], temperature=,
+    row_mask=[...] | None) -> (logp, entropy)`` fp32; rows whose mask is 0 are skipped (0 out, 0
+    gradient). ``trl.kernels`` exports it only when ``transformers.utils.is_triton_available()``.
+    """
+    from rlkernel._dispatch import interpreter_enabled
+
+    if device.type != "cuda" and not interpreter_enabled():
+        return None, "TRL's Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+    mod, why = optional_import(module)
+    if mod is None:
+        return None, why
+    fn = getattr(mod, TRL_FUNCTION, None)
+    if fn is None:
+        return None, f"{module} exports no {TRL_FUNCTION} (transformers reports no triton)"
+    return fn, ""

@@ -137,6 +137,7 @@ def collect_env(device: torch.device) -> dict[str, str]:
         "cuda": torch.version.cuda or "",
         "triton": _dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
         "liger": _dist_version("liger-kernel", "liger_kernel"),
+        "trl": _dist_version("trl"),
         "rlkernel": rlkernel.__version__,
         "python": platform.python_version(),
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -3,8 +3,8 @@
 Examples::
 
     rlkernel bench logits                          # the full suite on the GPU -> benchmarks/results/
-    rlkernel bench logits --quick --out /tmp/b     # N = 8192 only, fewer repetitions
-    rlkernel bench logits --n 8192 --v 151936 --impl rlkernel,liger --workload dapo_kl_fwd_bwd
+    rlkernel bench logits --quick --out /tmp/b     # fewer repetitions
+    rlkernel bench logits --n 8192 --v 151936 --impl rlkernel,liger --workload sliced_dapo_kl_fwd_bwd
     rlkernel bench logits --smoke --out /tmp/s     # tiny sizes on the CPU: checks the pipeline only
     rlkernel bench --list                          # suites, workloads, implementations
     rlkernel bench --readme                        # README table from benchmarks/results/*.csv
@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser`` (used by ``rlkernel bench`` and ``python -m``)."""
     parser.add_argument("suite", nargs="?", help="the suite to run (see --list), e.g. 'logits'")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes (N=8192) and repetitions")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (and sizes, where a suite has several)"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny sizes on the CPU: checks the pipeline, measures nothing"
     )
@@ -53,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument(
         "--rounds", type=int, help="interleaved timing rounds (default: 5 of 3 calls; quick: 3 of 2)"
+    )
+    parser.add_argument(
+        "--loop",
+        type=int,
+        help="calls per back-to-back loop, one sync per loop (default 20; 0: no back-to-back timing)",
     )
     parser.add_argument("--list", action="store_true", help="list suites, workloads and implementations")
     parser.add_argument(
@@ -78,16 +85,22 @@ def _options(args: argparse.Namespace, suite_name: str):
     if args.smoke:
         # aot_eager traces with Dynamo and AOTAutograd like inductor does, without minutes of C++ builds.
         timing = {"warmup": 0, "rounds": 2, "reps": 1, "compile_backend": "aot_eager"}
+        timing |= {"loop_calls": 2, "loop_reps": 1}
     elif args.quick:
-        timing = {"warmup": 1, "rounds": 3, "reps": 2}
+        timing = {"warmup": 1, "rounds": 3, "reps": 2, "loop_calls": 20, "loop_reps": 2}
     else:
-        # 15 timed calls per implementation: the medians of these memory-bound kernels are stable to
-        # ~1 %, and the full suite stays within ~4 minutes on an H100 (torch.compile dominates).
-        timing = {"warmup": 1, "rounds": 5, "reps": 3}
+        # 15 isolated calls per implementation: the medians of these memory-bound kernels are stable
+        # to ~1 %; 3 back-to-back loops of 20 calls. The logits suite stays within ~4 minutes on an
+        # H100 (torch.compile's compilations and plain torch's loops dominate).
+        timing = {"warmup": 1, "rounds": 5, "reps": 3, "loop_calls": 20, "loop_reps": 3}
     if args.rounds is not None:
         if args.rounds < 1:
             raise BenchError(f"--rounds must be >= 1, got {args.rounds}")
         timing["rounds"] = args.rounds
+    if args.loop is not None:
+        if args.loop < 0:
+            raise BenchError(f"--loop must be >= 0, got {args.loop}")
+        timing["loop_calls"] = args.loop
     return Options(
         device=device,
         smoke=args.smoke,

@@ -9,13 +9,17 @@ Method (DESIGN.md, "Performance method"):
 * **Timing.** Every implementation is called once (the first call compiles / JITs; its wall time is
   kept as ``first_call_s``), then ``warmup`` more times, then the implementations are *interleaved*:
   ``rounds`` rounds, each calling every implementation ``reps`` times in a rotated order, so that
-  clock or thermal drift hits all of them alike. On CUDA each call is bracketed by its own pair of
-  CUDA events (GPU time of the call, including launch gaps the call itself causes, e.g. a host
-  sync, and, on an idle GPU, the host time until its first kernel starts); on CPU by
-  ``time.perf_counter``. A workload with ``queue_ahead`` queues a 1 GiB write (L2 evicted)
-  before each start event, so only GPU work is timed (calls of a few microseconds, e.g.
+  clock or thermal drift hits all of them alike. On CUDA each call is isolated (the device is
+  synchronized before it) and bracketed by its own pair of CUDA events: the host time until its
+  first kernel starts, its kernels, and the launch gaps the call itself causes (e.g. a host sync);
+  on CPU ``time.perf_counter``. A workload with ``queue_ahead`` queues a 1 GiB write (L2 evicted)
+  before each start event instead, so only GPU work is timed (calls of a few microseconds, e.g.
   decode-shaped GEMMs, whose isolated time is mostly launch latency). The row reports the median
   and the 20th/80th percentiles.
+* **Back to back.** A workload with ``back_to_back`` is also timed the way a training step calls
+  it: ``loop_calls`` calls issued one after the other, one sync at the end, wall time per call
+  (``b2b_ms``, the median of ``loop_reps`` loops, implementations interleaved). Host time that
+  fits under the previous call's GPU work is hidden there; a host sync inside a call is not.
 * **Inputs and L2.** Inputs larger than the L2 cache are reused as they are (they cannot stay
   resident). Only when a workload's inputs would fit in L2 does the harness ask the suite for several
   copies and rotate through them, so no call reads a cache-warm input.
@@ -68,6 +72,7 @@ from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests a
     input_copies,
     quantile,
     synchronize,
+    time_back_to_back,
     time_interleaved,
 )
 
@@ -144,29 +149,49 @@ def _error_status(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _time_all(
-    timed: dict[str, Call], results: dict[str, Measurement], opts: Options, copies: int, queue_ahead: bool
-) -> None:
-    """Interleaved timing; if that fails (e.g. an OOM from fragmentation between implementations),
-    time each implementation alone and say so in its notes, so one failure costs one row."""
+def _time_each(
+    timer: Callable[..., dict[str, list[float]]],
+    timed: dict[str, Call],
+    results: dict[str, Measurement],
+    device: torch.device,
+    what: str,
+    **kw,
+) -> dict[str, list[float]]:
+    """``timer(timed, device, **kw)``; if that fails (e.g. an OOM from fragmentation between
+    implementations), time each implementation alone and say so in its notes, so one failure costs
+    one row (its status says why)."""
     if not timed:
-        return
-    kw = {"rounds": opts.rounds, "reps": opts.reps, "copies": copies, "queue_ahead": queue_ahead}
+        return {}
     try:
-        samples = time_interleaved(timed, opts.device, **kw)
+        return timer(timed, device, **kw)
     except Exception as exc:  # noqa: BLE001
-        print(f"    interleaved timing failed ({_error_status(exc)}); timing one at a time", flush=True)
-        _free(opts.device, collect=True)
-        samples = {}
-        for impl, call in timed.items():
-            results[impl].note = "; ".join(x for x in (results[impl].note, "timed alone") if x)
-            try:
-                samples.update(time_interleaved({impl: call}, opts.device, **kw))
-            except Exception as exc_one:  # noqa: BLE001
-                results[impl].status = _error_status(exc_one)
-                _free(opts.device, collect=True)
-    for impl, xs in samples.items():
+        print(f"    {what} timing failed ({_error_status(exc)}); timing one at a time", flush=True)
+        _free(device, collect=True)
+    samples: dict[str, list[float]] = {}
+    for impl, call in timed.items():
+        results[impl].note = "; ".join(x for x in (results[impl].note, f"{what}: timed alone") if x)
+        try:
+            samples.update(timer({impl: call}, device, **kw))
+        except Exception as exc_one:  # noqa: BLE001
+            results[impl].status = _error_status(exc_one)
+            _free(device, collect=True)
+    return samples
+
+
+def _time_all(timed: dict[str, Call], results: dict[str, Measurement], opts: Options, copies: int,
+              workload: Workload) -> None:  # fmt: skip
+    """The isolated, interleaved timing of every implementation, then (``workload.back_to_back``)
+    the back-to-back loops of those that are still fine."""
+    kw = {"rounds": opts.rounds, "reps": opts.reps, "copies": copies, "queue_ahead": workload.queue_ahead}
+    for impl, xs in _time_each(time_interleaved, timed, results, opts.device, "interleaved", **kw).items():
         results[impl].samples = xs
+    if not (workload.back_to_back and opts.loop_calls > 0):
+        return
+    timed = {i: c for i, c in timed.items() if results[i].status == "ok"}
+    kw = {"loop": opts.loop_calls, "reps": opts.loop_reps, "copies": copies}
+    for impl, xs in _time_each(time_back_to_back, timed, results, opts.device, "back-to-back", **kw).items():
+        results[impl].b2b_samples = xs
+        results[impl].b2b_calls = opts.loop_calls
 
 
 def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> list[Measurement]:
@@ -219,7 +244,7 @@ def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> l
     ref_out = None
     _free(device)
     timed = {i: prepared.calls[i] for i in runnable if results[i].status == "ok"}
-    _time_all(timed, results, opts, copies, workload.queue_ahead)
+    _time_all(timed, results, opts, copies, workload)
     del prepared, timed
     _free(device, collect=True)
     return [results[i] for i in workload.impls]
@@ -232,7 +257,8 @@ def _progress(m: Measurement) -> str:
     if not m.samples:
         return f"{m.impl} {m.status.split(':')[0]}"
     first = f" (1st call {m.first_call_s:.1f} s)" if m.first_call_s and m.first_call_s >= 1 else ""
-    return f"{m.impl} {statistics.median(m.samples):.3g} ms{first}"
+    b2b = f" / {statistics.median(m.b2b_samples):.3g} b2b" if m.b2b_samples else ""
+    return f"{m.impl} {statistics.median(m.samples):.3g}{b2b} ms{first}"
 
 
 def run_suite(suite: Suite, opts: Options, *, log: Callable[[str], None] = print) -> tuple[list[dict], dict]:

@@ -16,8 +16,14 @@ from pathlib import Path
 from typing import Any
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-IMPL_ORDER = ("rlkernel", "torch", "torch.compile", "liger")
-COLORS = {"rlkernel": "#d62728", "torch": "#7f7f7f", "torch.compile": "#1f77b4", "liger": "#2ca02c"}
+IMPL_ORDER = ("rlkernel", "torch", "torch.compile", "liger", "trl")
+COLORS = {
+    "rlkernel": "#d62728",
+    "torch": "#7f7f7f",
+    "torch.compile": "#1f77b4",
+    "liger": "#2ca02c",
+    "trl": "#ff7f0e",
+}
 ENV_COLUMNS = ("suite", "workload", "pass", "impl", "status")
 
 
@@ -47,10 +53,19 @@ def _size_label(row: dict, params: Sequence[str], sep: str = " ") -> str:
 
 
 def _group(rows: Sequence[dict], params: Sequence[str]) -> dict[str, dict[str, dict[str, dict]]]:
-    """workload -> size label -> impl -> row, in file order."""
+    """workload -> size label -> impl -> row, in file order (the plot's panels)."""
     out: dict[str, dict[str, dict[str, dict]]] = {}
     for r in rows:
         out.setdefault(str(r["workload"]), {}).setdefault(_size_label(r, params), {})[str(r["impl"])] = r
+    return out
+
+
+def _in_file_order(rows: Sequence[dict], params: Sequence[str]) -> dict[tuple[str, str], dict[str, dict]]:
+    """(workload, size label) -> impl -> row, in the order the run wrote them (the table's lines: a
+    suite that leads with some workloads keeps them first)."""
+    out: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault((str(r["workload"]), _size_label(r, params)), {})[str(r["impl"])] = r
     return out
 
 
@@ -118,7 +133,8 @@ def _cell(row: dict | None) -> str:
     ms, gb = _num(row.get("median_ms")), _num(row.get("peak_extra_gb"))
     if ms is None:
         return "—"
-    text = f"{_ms(ms)} ms"
+    b2b = _num(row.get("b2b_ms"))
+    text = f"{_ms(ms)} / {_ms(b2b)} ms" if b2b is not None else f"{_ms(ms)} ms"
     if gb is None or row.get("impl") == "ceiling":
         return text
     return text + (f", {gb:.1f} GB" if gb >= 10 else f", {gb:.2f} GB")
@@ -134,31 +150,39 @@ def suite_table(rows: Sequence[dict]) -> str:
     impls += sorted({str(r["impl"]) for r in rows} - set(impls) - {"ceiling"})
     head = ["workload", *params, *impls, "ceiling", "rlkernel vs torch", "rlkernel % of copy BW"]
     warn = " **CPU smoke run: not a performance measurement.**" if first.get("device") == "cpu" else ""
+    # Columns a CSV of an older run lacks stay out of the header line (its text stays the same).
+    trl = f", trl {first.get('trl') or '—'}" if "trl" in first else ""
+    loops = sorted({str(r.get("b2b_calls")) for r in rows if _num(r.get("b2b_ms")) is not None})
+    if loops:
+        cells_doc = (
+            f"Cells: median ms of an isolated call / per call back to back ({', '.join(loops)} calls, "
+            "one sync), peak extra memory."
+        )
+    else:
+        cells_doc = "Cells: median ms, peak extra memory."
     lines = [
         f"**{first.get('suite')}** on {first.get('gpu')}: torch {first.get('torch')}, triton "
-        f"{first.get('triton') or '—'}, liger-kernel {first.get('liger') or '—'}, {first.get('date_utc')}, "
-        f"commit `{first.get('commit')}`. Ceilings measured in the same run: copy "
+        f"{first.get('triton') or '—'}, liger-kernel {first.get('liger') or '—'}{trl}, "
+        f"{first.get('date_utc')}, commit `{first.get('commit')}`. Ceilings measured in the same run: copy "
         f"{_num(first.get('ceiling_copy_tbps')) or 0:.2f} TB/s, bf16 GEMM "
-        f"{_num(first.get('ceiling_gemm_tflops')) or 0:.0f} TFLOP/s. Cells: median ms, peak extra memory."
-        + warn,
+        f"{_num(first.get('ceiling_gemm_tflops')) or 0:.0f} TFLOP/s. {cells_doc}" + warn,
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    for workload, sizes in _group(rows, params).items():
-        for by_impl in sizes.values():
-            any_row = next(iter(by_impl.values()))
-            rk = by_impl.get("rlkernel", {})
-            speed, frac = _num(rk.get("speedup_vs_baseline")), _num(rk.get("frac_copy_bw"))
-            cells = [
-                f"{workload} ({any_row.get('pass')})",
-                *(str(any_row.get(p, "")) for p in params),
-                *(_cell(by_impl.get(i)) for i in impls),
-                _cell(by_impl.get("ceiling")),
-                f"{speed:.2f}×" if speed else "—",
-                f"{100 * frac:.0f}%" if frac is not None else "—",
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+    for (workload, _), by_impl in _in_file_order(rows, params).items():
+        any_row = next(iter(by_impl.values()))
+        rk = by_impl.get("rlkernel", {})
+        speed, frac = _num(rk.get("speedup_vs_baseline")), _num(rk.get("frac_copy_bw"))
+        cells = [
+            f"{workload} ({any_row.get('pass')})",
+            *(str(any_row.get(p, "")) for p in params),
+            *(_cell(by_impl.get(i)) for i in impls),
+            _cell(by_impl.get("ceiling")),
+            f"{speed:.2f}×" if speed else "—",
+            f"{100 * frac:.0f}%" if frac is not None else "—",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -201,7 +225,8 @@ def _fmt(v: Any, spec: str, suffix: str = "") -> str:
 
 def format_table(rows: list[dict], param_columns: Sequence[str], baseline: str = "torch") -> str:
     """The compact table printed at the end of a run (one line per row, a blank line per workload)."""
-    head = ["workload", *param_columns, "impl", "ms", "peak GB", "TB/s", "%copy", f"vs {baseline}", "status"]
+    head = ["workload", *param_columns, "impl", "ms", "b2b ms", "peak GB", "TB/s", "%copy", f"vs {baseline}",
+            "status"]  # fmt: skip
     body = []
     for r in rows:
         body.append(
@@ -210,6 +235,7 @@ def format_table(rows: list[dict], param_columns: Sequence[str], baseline: str =
                 *(str(r.get(c, "")) for c in param_columns),
                 str(r["impl"]),
                 _fmt(r.get("median_ms"), ".3f"),
+                _fmt(r.get("b2b_ms"), ".3f"),
                 _fmt(r.get("peak_extra_gb"), ".2f"),
                 _fmt(r.get("tbps"), ".2f"),
                 _fmt(None if r.get("frac_copy_bw") is None else 100 * r["frac_copy_bw"], ".0f", "%"),

@@ -20,13 +20,15 @@ from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests a
 )
 
 COMMON_HEAD = ("suite", "workload", "pass")
-# median/p20/p80 over the timed calls; peak memory above the inputs; achieved rates and fractions of
-# the ceilings of this run; speedup over the suite's baseline (plain torch); the cross-check against
+# median/p20/p80 over the isolated calls; the per-call time back to back (median over the loops) and
+# the calls per loop; peak memory above the inputs; achieved rates and fractions of the ceilings of
+# this run; speedup over the suite's baseline (plain torch, isolated calls); the cross-check against
 # the reference implementation; then the environment.
 COMMON_TAIL = tuple(
-    """impl status median_ms p20_ms p80_ms samples first_call_s peak_extra_gb bytes_gb tbps tflops
-    frac_copy_bw frac_gemm speedup_vs_baseline max_abs_diff grad_rel_diff ceiling_copy_tbps
-    ceiling_gemm_tflops device gpu torch cuda triton liger rlkernel python date_utc commit notes""".split()
+    """impl status median_ms p20_ms p80_ms samples b2b_ms b2b_calls first_call_s peak_extra_gb bytes_gb
+    tbps tflops frac_copy_bw frac_gemm speedup_vs_baseline max_abs_diff grad_rel_diff ceiling_copy_tbps
+    ceiling_gemm_tflops device gpu torch cuda triton liger trl rlkernel python date_utc commit
+    notes""".split()
 )
 
 
@@ -59,6 +61,8 @@ def make_rows(
                 "p20_ms": quantile(m.samples, 0.2) if m.samples else None,
                 "p80_ms": quantile(m.samples, 0.8) if m.samples else None,
                 "samples": len(m.samples) or None,
+                "b2b_ms": statistics.median(m.b2b_samples) if m.b2b_samples else None,
+                "b2b_calls": m.b2b_calls if m.b2b_samples else None,
                 "first_call_s": m.first_call_s,
                 "peak_extra_gb": m.peak_bytes / 1e9 if m.peak_bytes is not None else None,
                 "bytes_gb": gb,

@@ -18,6 +18,7 @@ from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests a
     input_copies,
     quantile,
     synchronize,
+    time_back_to_back,
     time_interleaved,
 )
 
@@ -84,6 +85,10 @@ class Options:
     warmup: int = 1
     rounds: int = 5
     reps: int = 3
+    # Back-to-back timing of the workloads that ask for it (``Workload.back_to_back``): ``loop_reps``
+    # loops of ``loop_calls`` calls, one sync per loop; 0 calls turns it off.
+    loop_calls: int = 20
+    loop_reps: int = 3
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,9 @@ class Workload:
             latency and host time the call costs are hidden; for calls too small to time in
             isolation, e.g. a decode-shaped GEMM). Default False: an isolated call, what an eager
             caller pays.
+        back_to_back: also time the implementations the way a training loop calls them:
+            ``Options.loop_calls`` calls issued back to back, then one sync; the row's ``b2b_ms`` is
+            the per-call wall time (host time hidden behind earlier calls' GPU work, or not).
     """
 
     name: str
@@ -117,6 +125,7 @@ class Workload:
     reference: str | None
     setup: Callable[[torch.device, tuple[str, ...], int], Prepared]
     queue_ahead: bool = False
+    back_to_back: bool = False
 
     @property
     def label(self) -> str:
@@ -145,6 +154,8 @@ class Measurement:
     impl: str
     status: str = "ok"
     samples: list[float] = field(default_factory=list)
+    b2b_samples: list[float] = field(default_factory=list)  # per-call ms of each back-to-back loop
+    b2b_calls: int | None = None
     first_call_s: float | None = None
     peak_bytes: float | None = None
     max_abs_diff: float | None = None

@@ -1,7 +1,7 @@
-"""Timing primitives of the benchmark harness: interleaved per-call CUDA-event timing, GPU time of
-small calls (``queue_ahead``), L2 input rotation, quantiles. :mod:`rlkernel.bench.harness` runs
-workloads with them (and re-exports them); scripts that time one call at a time use
-:func:`gpu_time_ms` directly.
+"""Timing primitives of the benchmark harness: interleaved per-call CUDA-event timing of isolated
+calls, GPU time of small calls (``queue_ahead``), back-to-back loops (a training step's call
+pattern), L2 input rotation, quantiles. :mod:`rlkernel.bench.harness` runs workloads with them (and
+re-exports them); scripts that time one call at a time use :func:`gpu_time_ms` directly.
 See the harness module docstring for the method.
 """
 
@@ -72,7 +72,11 @@ def time_interleaved(
     queue_ahead: bool = False,
 ) -> dict[str, list[float]]:
     """Per-call times in ms, the implementations interleaved round-robin in a rotated order.
-    ``queue_ahead`` (CUDA): see :class:`Workload`."""
+
+    On CUDA every call is isolated: the device is synchronized before its start event, so the GPU
+    is idle when the call is issued and the event pair spans the host time until its first kernel,
+    its kernels, and the launch gaps it causes (what one eager call costs). ``queue_ahead``: see
+    :class:`~rlkernel.bench.suite.Workload` (GPU time only)."""
     names = list(calls)
     samples: dict[str, list[float]] = {n: [] for n in names}
     i = 0
@@ -88,6 +92,8 @@ def time_interleaved(
                 for start, end in events:
                     if queue_ahead:
                         _queue_gpu_work(device)
+                    else:
+                        torch.cuda.synchronize(device)  # isolated: nothing of the previous call queued
                     start.record()
                     fn(i % copies)
                     end.record()
@@ -100,6 +106,38 @@ def time_interleaved(
                     fn(i % copies)
                     samples[name].append((time.perf_counter() - t0) * 1e3)
                     i += 1
+    return samples
+
+
+def time_back_to_back(
+    calls: dict[str, Callable[[int], Any]],
+    device: torch.device,
+    *,
+    loop: int,
+    reps: int,
+    copies: int = 1,
+) -> dict[str, list[float]]:
+    """Per-call wall time in ms of ``loop`` calls issued back to back with one sync at the end, the
+    way a training step issues its micro-batches: ``reps`` loops per implementation, interleaved
+    in a rotated order, each started on an idle device. A call whose host time is shorter than
+    its GPU time is hidden behind the previous call's kernels; one with a host sync inside is not.
+    Each call's results are dropped before the next one (its memory is reused, as in a step)."""
+    if loop < 1:
+        raise ValueError(f"loop must be >= 1, got {loop}")
+    names = list(calls)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    i = 0
+    for r in range(reps):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            fn = calls[name]
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(loop):
+                fn(i % copies)
+                i += 1
+            synchronize(device)
+            samples[name].append((time.perf_counter() - t0) * 1e3 / loop)
     return samples
 
 

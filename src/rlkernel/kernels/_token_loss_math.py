@@ -4,7 +4,7 @@ For every active token t (see :mod:`rlkernel.rl.token_loss` for the plan that su
 constants, :mod:`rlkernel.reference.token_loss` for the oracle, and
 :mod:`rlkernel.kernels.token_loss` for the two kernels that call :func:`token_terms`):
 
-    lr  = logp − old,   r = exp(clamp(lr, ±20))
+    lr  = logp − old,   r = exp(clamp(lr, ±20))      (on-policy, BRANCH.HAS_OLD False: old = logp)
     P   = the loss type's term (ppo with δ cap and dual clip | cispo | sapo | reinforce), dP/dlogp
     K   = the KL estimator at d = logp − ref (k1 | k2 | k3 with verl's clamps | abs; "+" forms:
           the value of the base, the gradient d of k2), dK/dlogp
@@ -89,14 +89,17 @@ def token_terms(offs, active, seq, x, h, inputs, s, BRANCH: tl.constexpr):
         seq: int64 sequence index of each token (per-sequence loads read ``ptr + seq``).
         x, h: fp32 log-prob and entropy of the tokens (any value where not ``active``; ``h`` is
             read only with ``BRANCH.HAS_ENTROPY``).
-        inputs: ``TokenLossKernelInputs``, the per-token pointers ``old``, ``adv``, ``ref``,
-            ``rollout_w``, ``factor`` and the 0-dim ``denom``.
+        inputs: ``TokenLossKernelInputs``, the per-token pointers ``old`` (read only with
+            ``BRANCH.HAS_OLD``), ``adv``, ``ref``, ``rollout_w``, ``factor`` and the 0-dim ``denom``.
         s: ``TokenLossKernelScalars``, the fp32 runtime scalars.
         BRANCH: ``TokenLossBranches``, the constexpr branch choices.
 
     Not masked by ``active`` (the caller stores 0 at inactive tokens); NaN inputs give NaN ℓ and
     g_logp (see the module's Caveats)."""
-    old = tl.load(inputs.old + offs, mask=active, other=0.0).to(tl.float32)
+    if BRANCH.HAS_OLD:
+        old = tl.load(inputs.old + offs, mask=active, other=0.0).to(tl.float32)
+    else:  # on-policy: old = sg[logp], the token's own log-prob (lr = 0, r = 1, dr/dlogp = 1)
+        old = x
     a_idx = seq if BRANCH.ADV_PER_SEQ else offs
     a = tl.load(inputs.adv + a_idx, mask=active, other=0.0).to(tl.float32)
     nan_in = is_nonfinite(x) | is_nonfinite(a)

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels._launch import FP_FUSION
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
 
@@ -316,6 +316,12 @@ def _token_logprobs_bwd_kernel(
 
 
 # ------------------------------------------------------------------------------------- launchers
+# Every fused-loss call launches both (and the linear engine once per chunk): FastLauncher saves
+# ~15 us of Triton's per-launch host work each time (kernels/_launch.py).
+_launch_fwd = FastLauncher(_token_logprobs_fwd_kernel)
+_launch_bwd = FastLauncher(_token_logprobs_bwd_kernel)
+
+
 def _check_layout(logits: torch.Tensor) -> tuple[int, int, int, int]:
     layout = row_layout(logits)
     assert layout is not None, "call as_kernel_layout(logits) first"
@@ -347,25 +353,13 @@ def token_logprobs_fwd_into(
     cfg = config or fwd_config(n_cols, logits.dtype, with_entropy=entropy is not None)
     ids = _flat_ids(token_ids)
     with _device_guard(logits):
-        _token_logprobs_fwd_kernel[(n_rows,)](
-            logp,
-            entropy if entropy is not None else logp,
-            lse,
-            logits,
-            stride_b,
-            stride_t,
-            stride_v,
-            ids,
-            n_inner,
-            n_cols,
-            float(temperature),
-            int(ignore_index),
-            BLOCK_V=cfg.block_v,
-            NUM_STAGES=cfg.num_stages,
-            HAS_ENTROPY=entropy is not None,
-            num_warps=cfg.num_warps,
-            enable_fp_fusion=FP_FUSION,
-        )
+        _launch_fwd(
+            (n_rows,),
+            (logp, entropy if entropy is not None else logp, lse, logits, stride_b, stride_t, stride_v,
+             ids, n_inner, n_cols, float(temperature), int(ignore_index)),
+            {"BLOCK_V": cfg.block_v, "NUM_STAGES": cfg.num_stages, "HAS_ENTROPY": entropy is not None},
+            {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
+        )  # fmt: skip
 
 
 def token_logprobs_fwd(
@@ -442,30 +436,15 @@ def token_logprobs_bwd_into(
     g_entropy = _flat_f32(grad_entropy) if grad_entropy is not None else flat_lse
     ent = _flat_f32(entropy) if grad_entropy is not None else flat_lse
     with _device_guard(logits):
-        _token_logprobs_bwd_kernel[grid](
-            grad_logits,
-            *strides_d,
-            logits,
-            stride_xb,
-            stride_xt,
-            stride_xv,
-            _flat_ids(token_ids),
-            flat_lse,
-            ent,
-            g_logp,
-            g_entropy,
-            grad_scale if grad_scale is not None else flat_lse,
-            n_inner,
-            n_cols,
-            float(temperature),
-            int(ignore_index),
-            BLOCK_V=cfg.block_v,
-            HAS_GRAD_LOGP=grad_logp is not None,
-            HAS_GRAD_ENTROPY=grad_entropy is not None,
-            HAS_SCALE=grad_scale is not None,
-            num_warps=cfg.num_warps,
-            enable_fp_fusion=FP_FUSION,
-        )
+        _launch_bwd(
+            grid,
+            (grad_logits, *strides_d, logits, stride_xb, stride_xt, stride_xv, _flat_ids(token_ids),
+             flat_lse, ent, g_logp, g_entropy, grad_scale if grad_scale is not None else flat_lse,
+             n_inner, n_cols, float(temperature), int(ignore_index)),
+            {"BLOCK_V": cfg.block_v, "HAS_GRAD_LOGP": grad_logp is not None,
+             "HAS_GRAD_ENTROPY": grad_entropy is not None, "HAS_SCALE": grad_scale is not None},
+            {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
+        )  # fmt: skip
 
 
 def token_logprobs_bwd(

@@ -6,6 +6,9 @@ traces calls to them instead of breaking the graph at a Triton launch:
     rlkernel::token_logprobs_fwd          (logits, ids, ...) -> (logp, entropy, lse)     functional
     rlkernel::token_logprobs_bwd          (logits, ids, lse, entropy, g_logp, g_H, ...) -> grad
     rlkernel::token_logprobs_bwd_inplace  same inputs, writes the gradient into ``logits`` (mutates)
+    rlkernel::token_loss_from_logits      (logits, token-level plan) -> (loss, logp, entropy, lse,
+                                          dL/dlogp, dL/dH); differentiable in logits (its backward
+                                          is rlkernel::token_logprobs_bwd with those coefficients)
 
 Each has a fake (meta) implementation for tracing. ``TokenLogprobsFunction`` binds them into
 autograd; ``rlkernel.ops.logprobs.token_logprobs`` calls it when the dispatcher picks "triton".
@@ -251,13 +254,15 @@ def _base_and_window(logits: torch.Tensor):
 
 # ------------------------------------------------------------------------- fused token-level loss
 class TokenLossFunction(torch.autograd.Function):
-    """loss = Σ_t ℓ_t(logp_t(logits), H_t(logits)) for a token-level plan, in three launches in all.
+    """loss = L(logp(logits), H(logits)) for a loss given by its per-token coefficients: three
+    launches for a token-level plan, the ``[B, T]`` algebra's own launches otherwise.
 
-    Forward: the log-prob kernel (logp, entropy, lse), then the token-loss kernel
-    (:mod:`rlkernel.kernels.token_loss`: block partial sums of the loss and the coefficients
-    g_logp = dL/dlogp, g_H = dL/dH), then the fixed-order sum of the partials. Backward: ONE launch
-    of the log-prob backward kernel with those coefficients, scaled in-kernel by the 0-dim upstream
-    gradient (read on the device: no host sync, no extra launch).
+    Forward: the log-prob kernel (logp, entropy, lse), then ``source.terms`` (a token-level plan:
+    the token-loss kernel, :mod:`rlkernel.kernels.token_loss`, giving block partial sums of the loss
+    and the coefficients g_logp = dL/dlogp, g_H = dL/dH; a sequence-level loss: its algebra and
+    autograd on the ``[B, T]`` statistics). Backward: ONE launch of the log-prob backward kernel
+    with those coefficients, scaled in-kernel by the 0-dim upstream gradient (read on the device: no
+    host sync, no extra launch).
 
     Saved state: the logits (or their alias when the backward writes in place), the masked ids
     (int64), fp32 ``lse`` and ``g_logp`` and, with an entropy term, fp32 ``entropy`` and ``g_H``:
@@ -267,15 +272,13 @@ class TokenLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, plan, temperature, inplace_backward, window):
-        from rlkernel.ops.token_loss import token_loss
-
+    def forward(ctx, logits, source, temperature, inplace_backward, window):
         # window: ``logits`` is the base of the caller's view, the view its window.
         x = kernels.as_kernel_layout(logits if window is None else window.of(logits))
-        ids = plan.ids.view(x.shape[:-1])
-        want_entropy = plan.want_entropy
-        logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, plan.ignore_index, want_entropy)
-        terms = token_loss(plan, logp, entropy if want_entropy else None, backend="triton")
+        ids = source.ids.view(x.shape[:-1])
+        want_entropy = source.want_entropy
+        logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, source.ignore_index, want_entropy)
+        terms = source.terms(logp, entropy if want_entropy else None)
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
         ctx.overwritten = False  # set once a backward has written the gradient into the logits
         ctx.window = window
@@ -289,7 +292,7 @@ class TokenLossFunction(torch.autograd.Function):
             terms.g_entropy,
         )
         ctx.temperature = temperature
-        ctx.ignore_index = plan.ignore_index
+        ctx.ignore_index = source.ignore_index
         ctx.mark_non_differentiable(logp, entropy)
         # No zero tensors for the (non-differentiable) logp/entropy outputs' gradients: 2 launches.
         ctx.set_materialize_grads(False)
@@ -333,12 +336,13 @@ class TokenLossFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def token_loss_triton(logits: torch.Tensor, plan, *, temperature: float, inplace_backward: bool):
-    """``(loss, logp, entropy)`` of a token-level plan from logits (see :class:`TokenLossFunction`);
-    ``entropy`` is an empty tensor unless the plan has an entropy term. A window of a base that
-    requires grad gives the base's gradient directly (:mod:`rlkernel.ops._views`)."""
-    source, window = _base_and_window(logits)
-    return TokenLossFunction.apply(source, plan, float(temperature), bool(inplace_backward), window)
+def token_loss_triton(logits: torch.Tensor, source, *, temperature: float, inplace_backward: bool):
+    """``(loss, logp, entropy)`` of a loss from logits (see :class:`TokenLossFunction`); ``source``
+    is a :class:`rlkernel.ops.token_loss.LossCoefficients`; ``entropy`` is an empty tensor unless
+    the loss has an entropy term. A window of a base that requires grad gives the base's gradient
+    directly (:mod:`rlkernel.ops._views`)."""
+    base, window = _base_and_window(logits)
+    return TokenLossFunction.apply(base, source, float(temperature), bool(inplace_backward), window)
 
 
 class TokenLossGradInForwardFunction(torch.autograd.Function):
@@ -404,3 +408,86 @@ def token_loss_grad_in_forward_triton(logits: torch.Tensor, plan, *, temperature
     base that requires grad: the buffer and the returned gradient are the base's)."""
     source, window = _base_and_window(logits)
     return TokenLossGradInForwardFunction.apply(source, plan, float(temperature), window)
+
+
+# ------------------------------------------------------- the fused token-level loss under compile
+@torch.library.custom_op("rlkernel::token_loss_from_logits", mutates_args=())
+def _token_loss_op(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    old: torch.Tensor | None,
+    adv: torch.Tensor,
+    ref: torch.Tensor | None,
+    rollout_w: torch.Tensor | None,
+    factor: torch.Tensor | None,
+    denom: torch.Tensor | None,
+    loss: str,
+    kl: str,
+    floats: list[float],
+    flags: list[int],
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from rlkernel._token_loss_plan import TokenLossPlan
+    from rlkernel.ops.token_loss import token_loss
+
+    plan = TokenLossPlan.from_op_args(ids, old, adv, ref, rollout_w, factor, denom, loss, kl, floats, flags)
+    x = kernels.as_kernel_layout(logits)
+    want = plan.want_entropy
+    logp, entropy, lse = kernels.token_logprobs_fwd(
+        x, ids.view(x.shape[:-1]), temperature=temperature, ignore_index=flags[6], return_entropy=want
+    )
+    terms = token_loss(plan, logp, entropy if want else None, backend="triton")
+    g_entropy = terms.g_entropy if want else logp.new_empty(0)
+    return terms.loss, logp, entropy, lse, terms.g_logp, g_entropy
+
+
+@_token_loss_op.register_fake
+def _(logits, ids, old, adv, ref, rollout_w, factor, denom, loss, kl, floats, flags, temperature):
+    lead, n = logits.shape[:-1], ids.numel()
+    want = floats[7] != 0  # entropy_coef (TokenLossPlan.op_args order)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return (
+        torch.empty((), **f32),
+        torch.empty(lead, **f32),
+        torch.empty(lead if want else (0,), **f32),
+        torch.empty(lead, **f32),
+        torch.empty(n, **f32),
+        torch.empty(n if want else 0, **f32),
+    )
+
+
+def _token_loss_setup(ctx, inputs, output):
+    logits, ids = inputs[0], inputs[1]
+    _, _, entropy, lse, g_logp, g_entropy = output
+    ctx.save_for_backward(logits, ids, lse, entropy, g_logp, g_entropy)
+    floats, flags, ctx.temperature = inputs[10:13]  # TokenLossPlan.op_args order
+    ctx.want_entropy = floats[7] != 0  # entropy_coef
+    ctx.ignore_index = flags[6]
+
+
+def _token_loss_backward(ctx, grad_loss, *unused):
+    logits, ids, lse, entropy, g_logp, g_entropy = ctx.saved_tensors
+    lead = logits.shape[:-1]
+    g_h = (g_entropy * grad_loss).view(lead) if ctx.want_entropy else None
+    grad = torch.ops.rlkernel.token_logprobs_bwd(
+        logits, ids.view(lead), lse, entropy, (g_logp * grad_loss).view(lead), g_h,
+        ctx.temperature, ctx.ignore_index,
+    )  # fmt: skip
+    return (grad,) + (None,) * 12
+
+
+torch.library.register_autograd(
+    "rlkernel::token_loss_from_logits", _token_loss_backward, setup_context=_token_loss_setup
+)
+
+
+def token_loss_traced(logits: torch.Tensor, plan, *, temperature: float):
+    """``(loss, logp, entropy)`` of a token-level plan as ONE registered custom op, for code traced
+    by ``torch.compile`` (fullgraph: no graph break, the loss stays fused): the log-prob and
+    token-loss kernels forward, the log-prob backward kernel with the coefficients times the
+    upstream gradient backward (3 passes over the logits; the eager path's window and in-place
+    routes do not apply under tracing)."""
+    loss, logp, entropy, _, _, _ = torch.ops.rlkernel.token_loss_from_logits(
+        logits, *plan.op_args(), float(temperature)
+    )
+    return loss, logp.detach(), entropy.detach()

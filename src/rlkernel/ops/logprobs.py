@@ -12,6 +12,7 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel.ops import id_checks
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.reference import logprobs as ref
 
@@ -54,9 +55,12 @@ def token_logprobs(
         temperature: the sampling temperature (> 0); logits are divided by it before the softmax.
         ignore_index: positions with this id give logp = entropy = 0 and get no gradient.
         return_entropy: also return the entropy.
-        validate: check that every id is in range (one host sync); ``False`` skips that check only
-            (it is also what makes the call traceable by ``torch.compile(fullgraph=True)``). On the
-            Triton path an out-of-range id then gives a NaN logp rather than an out-of-bounds read.
+        validate: check that every id is in range; ``False`` skips that check only (it is also
+            what makes the call traceable by ``torch.compile(fullgraph=True)``). On the CPU and the
+            reference backend the check raises inside the call. On the Triton path on CUDA it costs
+            no host sync: a bad id gives a NaN logp at once, and the ``ValueError`` (count, first
+            bad id) is raised by the next checking rlkernel call made after the GPU finished this
+            one, or by ``rk.raise_pending_errors()`` (waits); see ``docs/api/token_logprobs.md``.
         inplace_backward: Triton path only: write the gradient into the logits' own storage during
             backward instead of a new ``[..., V]`` tensor (saves one logits-sized allocation). The
             logits (and, for a view such as ``logits[:, :-1]``, the tensor it views) are
@@ -82,7 +86,8 @@ def token_logprobs(
     if vocab < 1:
         raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
     if validate:
-        check.token_ids_in_range("token_ids", ids, vocab, ignore_index)
+        defer = _dispatch.resolve_backend(logits.device, has_kernel=logits.dtype != torch.float64) == "triton"
+        id_checks.check_token_ids("token_ids", ids, vocab, ignore_index, defer=defer)
     return token_logprobs_checked(
         logits,
         ids,
@@ -200,7 +205,8 @@ def linear_token_logprobs(
         )
     ids = check_linear_inputs(hidden, weight, token_ids, bias, temperature, ignore_index)
     if validate:
-        check.token_ids_in_range("token_ids", ids, weight.shape[0], ignore_index)
+        backend = _dispatch.resolve_backend(hidden.device, has_kernel=_linear_kernel_available(hidden.dtype))
+        id_checks.check_token_ids("token_ids", ids, weight.shape[0], ignore_index, defer=backend == "triton")
     return linear_token_logprobs_checked(
         hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
         return_entropy=return_entropy, invariant_logits=inv_dtype,

@@ -14,6 +14,7 @@ fused paths call it: ``ops`` never imports ``rl``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -103,3 +104,36 @@ def as_coef_fn(plan: TokenLossPlan):
         return terms.loss, terms.g_logp, terms.g_entropy
 
     return coef_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCoefficients:
+    """What the fused logits path (``rlkernel.ops._logprobs_function.TokenLossFunction``) needs of a
+    loss: the ids to score and a function from the per-token statistics to the loss and its
+    per-token coefficients. Two sources build one: a token-level plan (:func:`plan_coefficients`,
+    one token-loss launch) and any loss on ``[B, T]`` differentiated by autograd
+    (``rlkernel.rl.fused``: the sequence-level objectives).
+
+    Attributes:
+        ids: int64 ``[...]`` the token shape, ``ignore_index`` at masked positions.
+        ignore_index: the id of positions that are not scored.
+        want_entropy: whether ``terms`` reads the entropy (the forward computes it only then).
+        terms: ``terms(logp, entropy) -> TokenLossTerms`` over all tokens, ``logp``/``entropy``
+            fp32 of the token shape (``entropy`` None without ``want_entropy``); called once per
+            forward, with gradient mode as the caller's.
+    """
+
+    ids: torch.Tensor
+    ignore_index: int
+    want_entropy: bool
+    terms: Callable[[torch.Tensor, torch.Tensor | None], TokenLossTerms]
+
+
+def plan_coefficients(plan: TokenLossPlan, backend: str = "triton") -> LossCoefficients:
+    """:class:`LossCoefficients` of a token-level plan: one :func:`token_loss` launch."""
+    return LossCoefficients(
+        ids=plan.ids,
+        ignore_index=plan.ignore_index,
+        want_entropy=plan.want_entropy,
+        terms=lambda logp, entropy: token_loss(plan, logp, entropy, backend=backend),
+    )

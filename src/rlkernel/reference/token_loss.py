@@ -9,9 +9,10 @@ g_logp = dL/dlogp_t, g_entropy = dL/dentropy_t for an upstream gradient of 1:
     ℓ_t = w·(ρ·P(logp) + kl_coef·K(logp) − entropy_coef·H),   g_logp = w·(ρ·P' + kl_coef·K'),
     g_entropy = −w·entropy_coef
 
-P and K are written out with their derivatives by hand (no autograd), following PyTorch's autograd
-rules (clamp passes the gradient on the closed interval; maximum/minimum split it on ties), so the
-result matches ``rlkernel.policy_loss`` under autograd; the tests check that.
+with old = logp when the plan has none (on-policy). P and K are written out with their derivatives
+by hand (no autograd), following PyTorch's autograd rules (clamp passes the gradient on the closed
+interval; maximum/minimum split it on ties), so the result matches ``rlkernel.policy_loss`` under
+autograd; the tests check that.
 
 Caveats:
     * Inactive tokens (``ids == ignore_index``) give exactly 0 everywhere; NaN or ±inf in an active
@@ -116,7 +117,8 @@ def token_loss(
     def bad(t: torch.Tensor) -> torch.Tensor:
         return ~torch.isfinite(t)
 
-    x, old_, a = get(logp), get(plan.old), get(adv)
+    x, a = get(logp), get(adv)
+    old_ = get(plan.old) if plan.old is not None else x  # on-policy: old = sg[logp] (ratio 1)
     nan_in = bad(x) | bad(a)
     if s.loss != "reinforce":  # −A·logp does not read old
         nan_in |= bad(old_)

@@ -18,6 +18,13 @@ Aggregation (m = active-token mask, ℓ = per-token loss, n_i = Σ_t m_it, seqs 
     seq-mean-token-mean       Σ_i (Σ_t mℓ / n_i) / (global_seqs or |seqs|)
     seq-mean-token-sum        Σ mℓ / (global_seqs or |seqs|)
     seq-mean-token-sum-norm   Σ mℓ / ((global_seqs or |seqs|) · (norm_length or L))
+    token-sum                 Σ mℓ                      (no normalizer; the global ones are ignored)
+
+``token-sum`` is verl's ``loss_agg_mode="token-sum"``: verl returns Σ mℓ · dp_size, where the
+``dp_size`` factor undoes the data-parallel gradient averaging of DDP/FSDP, as it does for every
+mode; here, as for every mode, that factor is the caller's (multiply the loss by the world size
+before ``backward()`` under DDP/FSDP). Its micro-batch losses add up to the step's loss without any
+global count.
 
 With global normalizers (the counts of the whole optimizer step, over all micro-batches and
 data-parallel ranks) each micro-batch's loss is its share of the step's loss: the losses, and their
@@ -45,12 +52,15 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"
+]
 AGGREGATIONS: tuple[str, ...] = (
     "token-mean",
     "seq-mean-token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
+    "token-sum",
 )
 
 Normalizer = float | torch.Tensor | None
@@ -187,7 +197,7 @@ def aggregate(
         mask: ``[S, L]`` bool, the active tokens.
         mode: one of :data:`AGGREGATIONS`.
         global_tokens: the token normalizer of ``token-mean`` (number, or 0-dim tensor); local Σm
-            when ``None``.
+            when ``None``. (``token-sum`` reads no normalizer.)
         global_seqs: the sequence normalizer of the ``seq-mean-*`` modes; the local number of
             sequences with at least one active token when ``None``.
         norm_length: the length constant of ``seq-mean-token-sum-norm``; ``width`` when ``None``.
@@ -199,6 +209,8 @@ def aggregate(
         is 0, negative or not finite while tokens are active gives NaN.
     """
     dtype = loss.dtype
+    if mode == "token-sum":
+        return masked(loss, mask).sum()
     if mode == "token-mean":
         tokens = (
             mask.sum().to(dtype).clamp_min(1)

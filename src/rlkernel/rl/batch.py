@@ -30,11 +30,15 @@ class LossBatch:
         cfg: the objective.
         segments: how the per-token tensors split into sequences (padded ``[B, T]`` or packed).
         device: the device of the per-token tensors.
-        old_logp: float, the per-token shape.
+        old_logp: float, the per-token shape; None for an on-policy call (the old log-probs are
+            the current ones, detached).
         advantages: float, per sequence ``[S]`` or per token (the per-token shape).
         mask: bool/int/float, the per-token shape (active where ``!= 0``).
         ref_logp: float or None (present when ``cfg.kl_coef > 0``).
-        rollout_logp: float or None (present when ``cfg.rollout_correction`` is set).
+        rollout_logp: float or None (present when ``cfg.rollout_correction`` or ``cfg.rollout_rs``
+            is set).
+        rollout_weights: float or None, precomputed per-token importance weights (never with
+            ``cfg.rollout_correction``).
         global_tokens, global_seqs: normalizers (None, a finite number >= 0, or a 0-dim tensor).
         cu_seqlens: int ``[S + 1]`` for packed input, else None.
     """
@@ -42,7 +46,7 @@ class LossBatch:
     cfg: PolicyLossConfig
     segments: Segments
     device: torch.device
-    old_logp: torch.Tensor
+    old_logp: torch.Tensor | None
     advantages: torch.Tensor
     mask: torch.Tensor
     ref_logp: torch.Tensor | None
@@ -50,6 +54,7 @@ class LossBatch:
     global_tokens: float | torch.Tensor | None
     global_seqs: float | torch.Tensor | None
     cu_seqlens: torch.Tensor | None
+    rollout_weights: torch.Tensor | None = None
 
     @property
     def token_shape(self) -> tuple[int, ...]:
@@ -62,21 +67,25 @@ class LossBatch:
         return tuple(self.advantages.shape) != self.token_shape
 
 
-def segments_for(like: torch.Tensor, cu_seqlens: object) -> Segments:
+def segments_for(like: torch.Tensor, cu_seqlens: object, *, name: str = "logp") -> Segments:
     """Padded ``[B, T]`` (no ``cu_seqlens``) or packed ``[N]`` (with them) segments of the
-    per-token tensor ``like``."""
+    per-token tensor ``like`` (called ``name`` in errors)."""
     shape = like.shape
     if len(shape) == 2:
         if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens is only for packed 1-D logp; logp is padded {check.describe(like)}")
+            raise ValueError(
+                f"cu_seqlens is only for packed 1-D {name}; {name} is padded {check.describe(like)}"
+            )
         return Segments.padded(shape)
     if len(shape) == 1:
         if cu_seqlens is None:
-            raise ValueError(f"cu_seqlens is required for packed 1-D logp, got logp {check.describe(like)}")
+            raise ValueError(
+                f"cu_seqlens is required for packed 1-D {name}, got {name} {check.describe(like)}"
+            )
         cu = check.cu_seqlens_tensor("cu_seqlens", cu_seqlens, shape[0])
         return Segments.packed(cu, shape[0], like.device)
     raise ValueError(
-        f"logp must be [B, T] (padded) or [N] (packed with cu_seqlens), got {check.describe(like)}"
+        f"{name} must be [B, T] (padded) or [N] (packed with cu_seqlens), got {check.describe(like)}"
     )
 
 
@@ -89,6 +98,7 @@ def validate_batch(
     mask: object,
     ref_logp: object = None,
     rollout_logp: object = None,
+    rollout_weights: object = None,
     global_tokens: object = None,
     global_seqs: object = None,
     cu_seqlens: object = None,
@@ -100,32 +110,47 @@ def validate_batch(
         cfg: the objective.
         like: the tensor whose shape ``[B, T]`` / ``[N]`` and device every input must share.
         like_name: its name in errors (``"logp"``; ``fused_policy_loss``: ``"token_ids"``).
-        old_logp, advantages, mask, ref_logp, rollout_logp, global_tokens, global_seqs, cu_seqlens:
-            as in :func:`rlkernel.policy_loss`.
+        old_logp, advantages, mask, ref_logp, rollout_logp, rollout_weights, global_tokens,
+            global_seqs, cu_seqlens: as in :func:`rlkernel.policy_loss` (``old_logp=None``:
+            on-policy).
 
     Returns:
         :class:`LossBatch`.
 
     Raises:
         TypeError: ``cfg`` not a ``PolicyLossConfig``; a non-tensor or wrong-dtype input.
-        ValueError: shape/device mismatches, bad ``cu_seqlens``, an input ``cfg`` needs missing, a
-            bad normalizer, advantages neither per sequence nor per token.
+        ValueError: shape/device mismatches, bad ``cu_seqlens``, an input ``cfg`` needs missing,
+            ``rollout_weights`` with ``cfg.rollout_correction``, a bad normalizer, advantages
+            neither per sequence nor per token.
     """
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     device = like.device
     seg = segments_for(like, cu_seqlens)
-    check.float_like("old_logp", old_logp, like_name, like)
+    if old_logp is not None:  # None: on-policy
+        check.float_like("old_logp", old_logp, like_name, like)
     mask = check.mask_tensor("mask", mask)
     check.same_shape("mask", mask, like_name, like.shape)
     check.same_device("mask", mask, like_name, device)
-    for name, value in (("ref_logp", ref_logp), ("rollout_logp", rollout_logp)):
+    tensors = (
+        ("ref_logp", ref_logp),
+        ("rollout_logp", rollout_logp),
+        ("rollout_weights", rollout_weights),
+    )
+    for name, value in tensors:
         if value is not None:
             check.float_like(name, value, like_name, like)
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when cfg.kl_coef > 0 (kl_coef={cfg.kl_coef})")
     if cfg.rollout_correction is not None and rollout_logp is None:
         raise ValueError(f"rollout_logp is required when cfg.rollout_correction={cfg.rollout_correction!r}")
+    if cfg.rollout_rs is not None and rollout_logp is None:
+        raise ValueError(f"rollout_logp is required when cfg.rollout_rs={cfg.rollout_rs!r}")
+    if cfg.rollout_correction is not None and rollout_weights is not None:
+        raise ValueError(
+            f"pass rollout_weights or set cfg.rollout_correction (={cfg.rollout_correction!r}), not both: "
+            "both are the rollout importance weight of the policy term"
+        )
     adv = check.float_tensor("advantages", advantages)
     check.same_device("advantages", adv, like_name, device)
     if adv.shape != like.shape and not (adv.dim() == 1 and adv.shape[0] == seg.n_seqs):
@@ -145,4 +170,5 @@ def validate_batch(
         global_tokens=check.normalizer("global_tokens", global_tokens, device),
         global_seqs=check.normalizer("global_seqs", global_seqs, device),
         cu_seqlens=cu_seqlens,
+        rollout_weights=rollout_weights,
     )

@@ -58,6 +58,32 @@ What each reproduces, and where verl and TRL differ (verl ``actor_rollout_ref.ac
   B rows (also empty ones); ``seq-mean-token-mean`` is the same without empty rows (pass
   ``global_seqs=B`` to count them). TRL has no GMPO.
 
+Loss types without a preset (issue 14; formulas in :mod:`rlkernel.rl.objectives`), and the
+framework settings they reproduce:
+
+* ``vespo`` — TRL ``loss_type="vespo"``: ℓ = −sg[φ(w_i)]·A·logp with the Gamma weight
+  φ(w) = e^λ·w^k·e^{−λw} of the sequence ratio w_i = exp(Σ_t m·lr) (``seq_ratio="product"``, the
+  default for vespo). Fields ↔ TRL: ``vespo_k_pos``/``vespo_lambda_pos``/``vespo_k_neg``/
+  ``vespo_lambda_neg`` ↔ the same names (defaults 2, 3, 3, 2); TRL's normalizer is the step's token
+  count: ``aggregation="token-mean"`` with ``global_tokens``. TRL's vLLM importance ratio
+  (``vllm_importance_sampling_mode``) is folded into w_i, not multiplied into the loss: here
+  ``rollout_correction`` does the same for vespo (``token_truncate`` ↔ ``token_tis``, ``token_mask``
+  ↔ ``token_mis``, ``sequence_*`` ↔ ``seq_*``, ``vllm_importance_sampling_clip_min``/``_max``
+  ↔ ``rollout_clip_min``/``rollout_clip_max``).
+* ``dppo_tv`` / ``dppo_kl`` — verl ``policy_loss.loss_mode=dppo_tv|dppo_kl`` (DPPO-Binary-TV/-KL):
+  ℓ = −A·sg[min(r, c)]·logp·sg[in trust region]. verl's ``clip_ratio_low``/``clip_ratio_high`` (the
+  divergence thresholds) ↔ ``clip_low``/``clip_high``; verl's ``clip_ratio_c`` (ActorConfig default
+  3.0; the function's own fallback 20.0) ↔ ``dppo_ratio_cap`` (default 20.0).
+* ``clip_cov`` / ``kl_cov`` — verl ``loss_mode=clip_cov|kl_cov``: ``clip_cov_ratio``,
+  ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio`` ↔ the same names, ``kl_cov_coef`` ↔
+  ``ppo_kl_coef`` (verl's PolicyLossConfig default 0.1); clip bounds as for ``ppo``. The token
+  selection is verl's, random draw included (:mod:`rlkernel.rl.covariance`).
+* ``dro`` — verl ``loss_mode=dro``: ℓ = −(A·logp − ½β·lr²), ``dro_beta`` ↔ ``dro_beta`` (required).
+* ``token-sum`` — verl ``loss_agg_mode=token-sum`` (Σ m·ℓ; verl's × dp_size is the caller's).
+* ``kl_ratio_weighted`` — TRL ``use_bias_correction_kl`` (the KL term times the importance ratio,
+  not detached); ``seq_ratio`` — the sequence ratio's convention (TRL's and verl's GSPO use
+  ``geo_mean``; TRL's VESPO and the sequence-level rollout corrections use the product).
+
 Caveats:
     * Presets describe the loss only; advantages (``group_advantages``), dynamic sampling, reward
       shaping and the global normalizers of a distributed step are the caller's.
@@ -76,11 +102,55 @@ from rlkernel import _validate as check
 from rlkernel.rl.aggregate import AGGREGATIONS, Aggregation
 from rlkernel.rl.kl import canonical_kl_estimator
 
-LossType = Literal["ppo", "gspo", "gspo_token", "cispo", "sapo", "gmpo", "reinforce"]
-LOSS_TYPES: tuple[str, ...] = ("ppo", "gspo", "gspo_token", "cispo", "sapo", "gmpo", "reinforce")
+LossType = Literal[
+    "ppo",
+    "gspo",
+    "gspo_token",
+    "cispo",
+    "sapo",
+    "gmpo",
+    "reinforce",
+    "vespo",
+    "dppo_tv",
+    "dppo_kl",
+    "clip_cov",
+    "kl_cov",
+    "dro",
+]
+LOSS_TYPES: tuple[str, ...] = (
+    "ppo",
+    "gspo",
+    "gspo_token",
+    "cispo",
+    "sapo",
+    "gmpo",
+    "reinforce",
+    "vespo",
+    "dppo_tv",
+    "dppo_kl",
+    "clip_cov",
+    "kl_cov",
+    "dro",
+)
 
 RolloutCorrection = Literal["token_tis", "seq_tis", "token_mis", "seq_mis"]
 ROLLOUT_CORRECTIONS: tuple[str, ...] = ("token_tis", "seq_tis", "token_mis", "seq_mis")
+
+# verl's rollout rejection criteria (``rollout_rs``): level × divergence (see rlkernel.rl.rollout).
+RolloutRejection = Literal[
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+]
+ROLLOUT_REJECTIONS: tuple[str, ...] = RolloutRejection.__args__
 
 # Loss types with PPO's extra knobs (dual clip, delta).
 _PPO_ONLY = ("ppo",)
@@ -106,6 +176,26 @@ _POSITIVE_FIELDS = (
     "sapo_tau_pos",
     "sapo_tau_neg",
 )
+# --- issue 14: the sequence-ratio conventions, and the numeric fields of that block -------------
+SeqRatio = Literal["geo_mean", "product"]
+SEQ_RATIOS: tuple[str, ...] = ("geo_mean", "product")
+# The loss types that have a sequence importance ratio (seq_ratio applies to them only).
+SEQ_RATIO_LOSS_TYPES: tuple[str, ...] = ("gspo", "gspo_token", "vespo")
+_MORE_FLOAT_FIELDS = (
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "dppo_ratio_cap",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "kl_cov_coef",
+    "dro_beta",
+)
+_MORE_POSITIVE_FIELDS = ("dppo_ratio_cap", "clip_cov_ratio", "kl_cov_ratio", "dro_beta")
+
 # The largest norm_length: a token length (int32), exactly an int64 and a float32-range number
 # wherever the loss multiplies by it.
 NORM_LENGTH_MAX = 2**31 - 1
@@ -120,16 +210,19 @@ class PolicyLossConfig:
     """The RL policy objective: loss type, clipping, aggregation, KL, entropy, rollout correction.
 
     Attributes:
-        loss_type: ``ppo | gspo | gspo_token | cispo | sapo | gmpo | reinforce`` (see
-            :mod:`rlkernel.rl.objectives` for each formula).
+        loss_type: ``ppo | gspo | gspo_token | cispo | sapo | gmpo | reinforce | vespo | dppo_tv |
+            dppo_kl | clip_cov | kl_cov | dro`` (see :mod:`rlkernel.rl.objectives` for each
+            formula).
         clip_low: lower clip ε_low ≥ 0: the ratio is clipped below at 1 − ε_low (``gmpo``: the
-            log-ratio at −ε_low). ``None`` (no lower bound) is allowed for ``cispo`` only.
-        clip_high: upper clip ε_high ≥ 0: 1 + ε_high (``gmpo``: log-ratio ε_high).
+            log-ratio at −ε_low; ``dppo_*``: the divergence threshold where A ≤ 0). ``None`` (no
+            lower bound) is allowed for ``cispo`` only.
+        clip_high: upper clip ε_high ≥ 0: 1 + ε_high (``gmpo``: log-ratio ε_high; ``dppo_*``: the
+            divergence threshold where A > 0).
         dual_clip: dual-clip constant c > 1 (``ppo`` only): where A < 0, ℓ = min(ℓ, −c·A).
         delta: cap δ > 1 on the ratio of the unclipped PPO term, r → min(r, δ) (``ppo`` only; TRL's
             two-sided GRPO ``delta``).
         aggregation: ``token-mean | seq-mean-token-mean | seq-mean-token-sum |
-            seq-mean-token-sum-norm``.
+            seq-mean-token-sum-norm | token-sum``.
         norm_length: the constant length of ``seq-mean-token-sum-norm`` (int in [1, 2**31 − 1]);
             ``None`` uses the padded width (packed input: the longest sequence).
         kl_coef: weight ≥ 0 of the per-token KL penalty against ``ref_logp`` (> 0 requires
@@ -144,6 +237,52 @@ class PolicyLossConfig:
             (verl's ``rollout_is_threshold``). At least one bound is required with a correction.
         sapo_tau_pos: SAPO temperature (> 0) where A > 0.
         sapo_tau_neg: SAPO temperature (> 0) where A ≤ 0.
+        rollout_rs: ``None`` or verl's rollout rejection criterion: ``token_k1 | token_k2 |
+            token_k3 | seq_sum_k{1,2,3} | seq_mean_k{1,2,3} | seq_max_k{2,3}``. Tokens (or whole
+            sequences) whose divergence between ``old_logp`` and ``rollout_logp`` is out of bounds
+            leave the mask (requires ``rollout_logp``).
+        rollout_rs_min: k1 criteria only: lower bound (> 0) on the ratio π_rollout/π_old (the
+            k1 statistic is compared with its log); ``None``: no lower bound (verl's default is
+            1/``rollout_rs_max``: pass it to match).
+        rollout_rs_max: upper bound (> 0): on the ratio for k1 (``None``: none; at least one bound
+            is required), on the divergence for k2/k3 (required).
+        off_policy_mask_threshold: TRL's off-policy sequence mask δ (≥ 0), or ``None`` (off): the
+            policy term of a token with A < 0 whose sequence has mean(rollout_logp − logp) > δ is
+            dropped.
+        top_entropy_quantile: TRL's ρ in [0, 1]: only the tokens whose entropy is at least the
+            (1 − ρ)-quantile of the active tokens' entropies keep their policy term (requires
+            ``entropy``); 1.0 (the default) is off. (Formulas of the last five fields:
+            :mod:`rlkernel.rl.rollout` and :mod:`rlkernel.rl.masks`.)
+
+    More loss types, the sequence-ratio convention and the ratio-weighted KL (issue 14; the
+    formulas are in :mod:`rlkernel.rl.objectives`):
+
+        seq_ratio: ``None | "geo_mean" | "product"``: the sequence importance ratio of ``gspo``,
+            ``gspo_token`` and ``vespo``: ``geo_mean`` s_i = exp(Σ_t m·lr / n_i), ``product``
+            s_i = exp(Σ_t m·lr). ``None`` (default) is the loss type's own convention: ``geo_mean``
+            for ``gspo``/``gspo_token`` (GSPO paper, verl ``gspo``, TRL
+            ``importance_sampling_level="sequence"``), ``product`` for ``vespo`` (TRL). Setting it
+            for another loss type is an error.
+        kl_ratio_weighted: multiply the per-token KL by the importance ratio (TRL's
+            ``use_bias_correction_kl``): r_t = exp(lr_t) (``gspo``: s_i; ``gspo_token``: s_it), not
+            detached, as TRL. No effect when ``kl_coef == 0`` (the ``kl_ref`` metric is weighted).
+        vespo_k_pos, vespo_lambda_pos: VESPO's Gamma shape k ≥ 0 and rate λ ≥ 0 where A ≥ 0
+            (TRL ``vespo_k_pos=2.0``, ``vespo_lambda_pos=3.0``); λ is floored at 1e-4 as TRL does.
+        vespo_k_neg, vespo_lambda_neg: the same where A < 0 (TRL ``3.0``, ``2.0``).
+        dppo_ratio_cap: ``dppo_tv``/``dppo_kl``: the truncation c > 0 of the detached ratio
+            weight sg[min(r, c)], or ``None`` for none; default 20.0 (verl's in-function default;
+            verl's ``ActorConfig`` passes its ``clip_ratio_c``, default 3.0). The divergence
+            thresholds of ``dppo_*`` are ``clip_low`` / ``clip_high`` (verl's ``clip_ratio_low`` /
+            ``clip_ratio_high``).
+        clip_cov_ratio: ``clip_cov``: the fraction ∈ (0, 1] of the active tokens whose gradient
+            may be cut (verl ``clip_cov_ratio``, default 2e-4).
+        clip_cov_lb, clip_cov_ub: ``clip_cov``: the covariance window (lb, ub), lb < ub, of the
+            tokens eligible for the cut (verl ``clip_cov_lb=1.0``, ``clip_cov_ub=5.0``).
+        kl_cov_ratio: ``kl_cov``: the fraction ∈ (0, 1] of the active tokens with the largest
+            covariance that get the |lr| penalty (verl ``kl_cov_ratio``, default 2e-4).
+        kl_cov_coef: ``kl_cov``: the weight ≥ 0 of that penalty (verl ``ppo_kl_coef``, default 0.1).
+        dro_beta: ``dro``: the weight β > 0 of the quadratic log-ratio penalty; required by
+            ``dro`` (verl ``dro_beta``, no default) and rejected by every other loss type.
 
     Every number must also be usable in float32, where the loss is computed: a magnitude at most
     the largest float32 (~3.4e38), and a positive field (``dual_clip``, ``delta``, the rollout
@@ -172,6 +311,27 @@ class PolicyLossConfig:
     rollout_clip_max: float | None = 2.0
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    # --- issue 14 (more loss types, sequence-ratio convention, ratio-weighted KL) ----------------
+    seq_ratio: SeqRatio | None = None
+    kl_ratio_weighted: bool = False
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    dppo_ratio_cap: float | None = 20.0
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 0.1
+    dro_beta: float | None = None
+    # --- Token masks: rollout rejection (verl rollout_rs), off-policy sequence mask and entropy
+    # quantile (TRL); see rlkernel.rl.rollout and rlkernel.rl.masks. Checked by _check_masks.
+    rollout_rs: RolloutRejection | None = None
+    rollout_rs_min: float | None = None
+    rollout_rs_max: float | None = None
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         check.choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -186,6 +346,8 @@ class PolicyLossConfig:
         check.positive_float("sapo_tau_pos", self.sapo_tau_pos)
         check.positive_float("sapo_tau_neg", self.sapo_tau_neg)
         self._check_fp32()
+        self._check_more_losses()
+        self._check_masks()
 
     def _check_fp32(self) -> None:
         """Every number must survive the float32 math (and the kernels' float32 scalars) as it is:
@@ -225,6 +387,81 @@ class PolicyLossConfig:
         if self.rollout_correction is not None and low is None and high is None:
             raise ValueError(
                 f"rollout_correction={self.rollout_correction!r} needs rollout_clip_min or rollout_clip_max"
+            )
+
+    # --- issue 14 (more loss types, sequence-ratio convention, ratio-weighted KL) ----------------
+    def _check_more_losses(self) -> None:
+        """The fields of the issue-14 block: types, ranges, the loss types they belong to, and the
+        float32 range (as :meth:`_check_fp32` does for the fields above)."""
+        if self.seq_ratio is not None:
+            check.choice("seq_ratio", self.seq_ratio, SEQ_RATIOS)
+            if self.loss_type not in SEQ_RATIO_LOSS_TYPES:
+                raise ValueError(
+                    f"seq_ratio applies to loss_type in {SEQ_RATIO_LOSS_TYPES} only (the loss types with a "
+                    f"sequence ratio), got loss_type={self.loss_type!r}"
+                )
+        check.boolean("kl_ratio_weighted", self.kl_ratio_weighted)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_cov_coef"):
+            check.nonneg_float(name, getattr(self, name))
+        if self.dppo_ratio_cap is not None:
+            check.positive_float("dppo_ratio_cap", self.dppo_ratio_cap)
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            fraction = check.positive_float(name, getattr(self, name))
+            if fraction > 1.0:
+                raise ValueError(
+                    f"{name} is a fraction of the active tokens: it must be in (0, 1], got {fraction}"
+                )
+        low = check.finite_float("clip_cov_lb", self.clip_cov_lb)
+        high = check.finite_float("clip_cov_ub", self.clip_cov_ub)
+        if low >= high:
+            raise ValueError(
+                f"clip_cov_lb ({low}) must be < clip_cov_ub ({high}): the window (lb, ub) is open"
+            )
+        if self.dro_beta is not None:
+            if self.loss_type != "dro":
+                raise ValueError(
+                    f"dro_beta applies to loss_type='dro' only, got loss_type={self.loss_type!r}"
+                )
+            check.positive_float("dro_beta", self.dro_beta)
+        elif self.loss_type == "dro":
+            raise ValueError("loss_type='dro' requires dro_beta (> 0), the weight of its log-ratio penalty")
+        for name in _MORE_FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                check.fp32_float(name, float(value), positive=name in _MORE_POSITIVE_FIELDS)
+
+    def _check_masks(self) -> None:
+        """The token-mask fields (rollout rejection, off-policy sequence mask, entropy quantile)."""
+        if self.rollout_rs is not None:
+            check.choice("rollout_rs", self.rollout_rs, ROLLOUT_REJECTIONS)
+        low = _optional(check.positive_float, "rollout_rs_min", self.rollout_rs_min)
+        high = _optional(check.positive_float, "rollout_rs_max", self.rollout_rs_max)
+        for name, value in (("rollout_rs_min", low), ("rollout_rs_max", high)):
+            if value is not None:
+                check.fp32_float(name, value, positive=True)
+        if self.rollout_rs is None:
+            if low is not None or high is not None:
+                raise ValueError("rollout_rs_min / rollout_rs_max need rollout_rs (the rejection criterion)")
+        elif self.rollout_rs.endswith("k1"):
+            if low is None and high is None:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_min or rollout_rs_max")
+            if low is not None and high is not None and low > high:
+                raise ValueError(f"rollout_rs_min ({low}) must be <= rollout_rs_max ({high})")
+        else:
+            if low is not None:
+                raise ValueError(
+                    f"rollout_rs_min applies to the k1 criteria only (a ratio bound); rollout_rs="
+                    f"{self.rollout_rs!r} is a divergence >= 0 with an upper bound only"
+                )
+            if high is None:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_max (its upper bound)")
+        if self.off_policy_mask_threshold is not None:
+            delta = check.nonneg_float("off_policy_mask_threshold", self.off_policy_mask_threshold)
+            check.fp32_float("off_policy_mask_threshold", delta)
+        quantile = check.real("top_entropy_quantile", self.top_entropy_quantile)
+        if not 0.0 <= quantile <= 1.0:  # also NaN
+            raise ValueError(
+                f"top_entropy_quantile must be in [0, 1] (1 = off), got {self.top_entropy_quantile!r}"
             )
 
     @classmethod

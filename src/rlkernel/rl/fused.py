@@ -22,24 +22,41 @@ forward (2 passes over the logits) and the backward only rescales it. The option
 ``token_level_fusion=False`` sends every call to the composed path (for comparisons). Both options
 are read once per call (``rlkernel.use_options``; measurements behind the defaults:
 ``docs/api/options.md``).
-gspo, gspo_token and gmpo (sequence-coupled gradients), the hidden-state path, fp64 logits, the
-reference backend and ``torch.compile`` tracing keep the composed path. Both give the same loss,
+
+Sequence-level objectives (gspo, gspo_token, gmpo: every objective without a token-level plan)
+from logits, Triton backend, with a gradient to compute, take the fused coefficient path: the same
+two log-prob kernels (forward statistics; one backward launch with per-token coefficients), and
+between them the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the
+forward (``rl.fused._fused_autograd_coefficients``), so its host time overlaps the forward kernel
+and the backward is one launch. The hidden-state path of these objectives, fp64 logits, the
+reference backend and ``torch.compile`` tracing of them keep the composed path. All give the same loss,
 gradients (to fp32 rounding) and metrics.
 
 Masked positions are sent to the primitive as ``ignore_index`` (their ids may be garbage such as -1 or
 a pad id out of the vocabulary), so they cost no softmax gradient and need no valid id. Entropy is
-computed only when ``cfg.entropy_coef != 0``.
+computed only when ``cfg.entropy_coef != 0`` or ``cfg.top_entropy_quantile < 1``. ``old_logp=None``
+(on-policy) costs no second pass: the composed path reads the detached log-probs of this call, the
+token-level kernels their own (``HAS_OLD=False``). Off-policy sequence masks, entropy quantiles and
+on-policy rollout corrections/rejection keep the composed path (``token_loss.is_eligible``).
 
 Caveats:
     * The caller aligns logits with ids (``logits[:, :-1]`` predicts ``ids[:, 1:]``); strided views
       are fine.
     * ``tp_group`` (vocab-parallel LM head) is forwarded to ``linear_token_logprobs`` and works only
       on the hidden-state path.
-    * The fused token-level path runs eagerly only; inside ``torch.compile`` the composed path is
-      traced instead (the token-loss kernel is not registered as a custom op yet).
+    * Inside ``torch.compile`` a token-level objective's logits path is one registered custom op
+      (``rlkernel::token_loss_from_logits``, 3 passes); the coefficient path, the
+      gradient-in-forward route and the hidden-state chunk engine are eager-only (the composed path
+      is traced for them). The id check is eager-only: pass ``validate=False`` under
+      ``fullgraph=True``.
+    * The fused paths' backward is not itself differentiable (no ``create_graph`` double backward).
+    * With ``validate=True`` on CUDA (Triton path) the id check is queued after the loss's kernels
+      and read later (``rlkernel.ops.id_checks``): no host sync.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -47,6 +64,7 @@ from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import Options, current_options
+from rlkernel.ops import id_checks
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
     invariant_logits_dtype,
@@ -54,6 +72,8 @@ from rlkernel.ops.logprobs import (
     linear_token_logprobs_checked,
     token_logprobs_checked,
 )
+from rlkernel.ops.token_loss import LossCoefficients, TokenLossTerms
+from rlkernel.ops.token_loss import token_loss as token_loss_op
 from rlkernel.rl import token_loss
 from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
@@ -62,25 +82,42 @@ from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
 IGNORE_INDEX = token_loss.IGNORE_INDEX
 
 
-def _token_level(cfg: PolicyLossConfig, x: object, opts: Options) -> bool:
+def _token_level(batch: LossBatch, x: object, opts: Options) -> bool:
     """Whether a call whose logits (or hidden states) are ``x`` takes a fused token-level path: the
-    option ``token_level_fusion``, an eligible objective, eager mode, and the Triton backend for
-    ``x`` (see the module docstring)."""
-    if not opts.token_level_fusion or not isinstance(x, torch.Tensor) or not token_loss.is_eligible(cfg):
-        return False
-    if torch.compiler.is_compiling():
+    option ``token_level_fusion``, an eligible objective, and the Triton backend for ``x`` (see the
+    module docstring; under ``torch.compile`` the logits path is one registered custom op)."""
+    eligible = token_loss.is_eligible(batch.cfg, on_policy=batch.old_logp is None)
+    if not opts.token_level_fusion or not isinstance(x, torch.Tensor) or not eligible:
         return False
     has_kernel = x.dtype in (torch.float16, torch.bfloat16, torch.float32)
     return _dispatch.resolve_backend(x.device, has_kernel=has_kernel) == "triton"
 
 
-def _token_level_linear(cfg: PolicyLossConfig, hidden: object, weight: object, opts: Options) -> bool:
+def _wants_entropy(cfg: PolicyLossConfig) -> bool:
+    """Whether the loss reads the entropy: an entropy term, or the top-entropy-quantile mask."""
+    return cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1
+
+
+def _coefficient_path(cfg: PolicyLossConfig, logits: object, opts: Options) -> bool:
+    """Whether a logits call whose objective has no token-level plan (gspo, gspo_token, gmpo) takes
+    the fused coefficient path: the ``token_level_fusion`` option, eager mode, the Triton backend,
+    and a gradient to compute (without one, the composed path is the same two launches)."""
+    if not opts.token_level_fusion or not isinstance(logits, torch.Tensor) or torch.compiler.is_compiling():
+        return False
+    if not (logits.requires_grad and torch.is_grad_enabled()) or logits.dtype == torch.float64:
+        return False
+    return _dispatch.resolve_backend(logits.device, has_kernel=True) == "triton"
+
+
+def _token_level_linear(batch: LossBatch, hidden: object, weight: object, opts: Options) -> bool:
     """Whether a hidden-state call takes the fused linear path (gradient computed while each
     chunk's logits are live: 3 GEMMs instead of 4; see rlkernel.ops._linear_function)."""
     if not isinstance(weight, torch.Tensor) or not isinstance(hidden, torch.Tensor):
         return False
+    if torch.compiler.is_compiling():  # the chunk engine is eager-only: the composed path is traced
+        return False
     # A dtype mismatch takes the primitive path, which raises the clear error.
-    return weight.dtype == hidden.dtype and _token_level(cfg, hidden, opts)
+    return weight.dtype == hidden.dtype and _token_level(batch, hidden, opts)
 
 
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
@@ -102,7 +139,7 @@ def fused_policy_loss(
     cfg: PolicyLossConfig,
     *,
     token_ids: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     logits: torch.Tensor | None = None,
@@ -112,6 +149,7 @@ def fused_policy_loss(
     temperature: float = 1.0,
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    rollout_weights: torch.Tensor | None = None,
     global_tokens: float | torch.Tensor | None = None,
     global_seqs: float | torch.Tensor | None = None,
     tp_group: object | None = None,
@@ -127,14 +165,19 @@ def fused_policy_loss(
         cfg: the objective (:class:`PolicyLossConfig`).
         token_ids: int ``[B, T]`` (or packed ``[N]``), the sampled tokens aligned with the logits;
             any value (e.g. -1, a pad id) at masked positions.
-        old_logp, advantages, mask, ref_logp, rollout_logp, global_tokens, global_seqs, cu_seqlens:
-            as in :func:`rlkernel.policy_loss`, over the shape of ``token_ids``.
+        old_logp, advantages, mask, ref_logp, rollout_logp, rollout_weights, global_tokens,
+            global_seqs, cu_seqlens: as in :func:`rlkernel.policy_loss`, over the shape of
+            ``token_ids``. ``old_logp=None`` (on-policy) uses the log-probs this call computes,
+            detached: no second log-prob pass.
         logits: ``[B, T, V]`` (or ``[N, V]``) float logits. Exactly one of ``logits`` and ``hidden``.
         hidden: ``[B, T, H]`` (or ``[N, H]``) last hidden states, with ``weight`` ``[V, H]`` and an
             optional ``bias`` ``[V]``.
         temperature: the sampling temperature (> 0) applied to the logits.
         tp_group: vocab-parallel process group (hidden path only; see ``linear_token_logprobs``).
-        validate: check that active ids are in ``[0, V)`` (one host sync); ``False`` skips it.
+        validate: check that active ids are in ``[0, V)``; ``False`` skips it. No host sync on the
+            Triton path on CUDA: a bad id makes the loss NaN at once and its ``ValueError`` is
+            raised by a later call (see ``token_logprobs``'s ``validate``); elsewhere it raises
+            inside the call.
         inplace_backward: logits path only: the backward writes dL/dlogits into the logits' own
             storage (see :func:`rlkernel.token_logprobs`), so the step needs no memory for the
             gradient; the logits must not be used after the backward.
@@ -174,6 +217,7 @@ def fused_policy_loss(
         mask=mask,
         ref_logp=ref_logp,
         rollout_logp=rollout_logp,
+        rollout_weights=rollout_weights,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
@@ -190,34 +234,57 @@ def fused_policy_loss(
     elif not tp:  # vocab-parallel: validated across ranks by the primitive (every rank raises alike)
         check_linear_inputs(hidden, weight, ids, bias, temperature, IGNORE_INDEX)
         vocab = weight.shape[0]
-    if validate and not tp:
-        # On the active positions only: an active id equal to IGNORE_INDEX must be an error, not a
-        # silently dropped token.
-        check.token_ids_in_range(
-            "token_ids (at active mask positions)", torch.where(active, token_ids, 0), vocab, None
-        )
     opts = current_options()
-    if _token_level(cfg, logits, opts):
-        two_pass_max_vocab = opts.grad_in_forward_max_vocab
-        return _fused_token_level(
-            logits, (ids, active), batch, temperature, inplace_backward, two_pass_max_vocab
-        )
-    if not tp and _token_level_linear(cfg, hidden, weight, opts):
-        return _fused_linear_token_level(hidden, weight, bias, (ids, active), batch, temperature, inv_dtype)
-    want_entropy = cfg.entropy_coef != 0
+    check_ids = validate and not tp
+    if check_ids:
+        # On the active positions only, none exempt: an active id equal to IGNORE_INDEX is an error
+        # (masked_token_ids sends it to the kernels as -1: a NaN log-prob meanwhile, never dropped).
+        x = logits if logits is not None else hidden
+        deferred_ok = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64) == "triton"
+        check_ids = functools.partial(
+            id_checks.check_token_ids, "token_ids (at active mask positions)", token_ids, vocab, None,
+            defer=deferred_ok, active=active,
+        )  # fmt: skip
+        if not deferred_ok or x.device.type != "cuda":
+            check_ids()  # raises here, before any kernel reads a bad id
+            check_ids = None
+    out = _run(cfg, batch, (ids, active), logits, hidden, weight, bias, temperature, tp_group, validate,
+               inplace_backward, opts, inv_dtype)  # fmt: skip
+    if check_ids:
+        # Queued after the loss's kernels, so its small launches do not delay them (no sync).
+        check_ids()
+    return out
+
+
+def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_group, validate,
+         inplace_backward, opts, invariant_logits=None) -> PolicyLossOutput:  # fmt: skip
+    """The path of a checked call (see the module docstring). ``invariant_logits``: the checked
+    ``invariant``/``logits_dtype`` of the hidden path (``ops.logprobs.invariant_logits_dtype``)."""
+    ids = masked_ids[0]
+    if _token_level(batch, logits, opts) and torch.compiler.is_compiling():
+        return _fused_token_level_traced(logits, masked_ids, batch, temperature)
+    if _token_level(batch, logits, opts):
+        two_pass = opts.grad_in_forward_max_vocab
+        return _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass)
+    if _coefficient_path(cfg, logits, opts):
+        return _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward)
+    tp = tp_group is not None
+    if not tp and _token_level_linear(batch, hidden, weight, opts):
+        inv = invariant_logits
+        return _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature, inv)
+    # The entropy quantile mask reads the entropy even without an entropy term.
+    want_entropy = _wants_entropy(cfg)
     common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     if logits is not None:
         out = token_logprobs_checked(logits, ids, inplace_backward=inplace_backward, **common)
     elif not tp:
         out = linear_token_logprobs_checked(
-            hidden, weight, ids, bias=bias, invariant_logits=inv_dtype, **common
+            hidden, weight, ids, bias=bias, invariant_logits=invariant_logits, **common
         )
     else:
-        if validate:
-            # The vocab-parallel primitive checks the ids against the *global* vocabulary on every
-            # rank at once (a local check against this rank's shard would reject valid ids, on some
-            # ranks only). An active id equal to IGNORE_INDEX must stay an error: send it as -1.
-            ids = torch.where(active & (ids == IGNORE_INDEX), -1, ids)
+        # The vocab-parallel primitive checks the ids against the *global* vocabulary on every rank
+        # at once (a local check against this rank's shard would reject valid ids, on some ranks
+        # only); negative active ids arrive there as -1 (masked_token_ids), out of range.
         out = linear_token_logprobs(
             hidden, weight, ids, bias=bias, tp_group=tp_group, validate=validate, **common
         )
@@ -234,24 +301,74 @@ def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
 def _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab):
     """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy.
     ``two_pass_max_vocab``: the option ``grad_in_forward_max_vocab``."""
-    from rlkernel.ops._logprobs_function import token_loss_triton
+    from rlkernel.ops import _logprobs_function as fn
 
-    plan = token_loss.plan_from_batch(batch, masked_ids)
     two_pass = (
         logits.shape[-1] <= two_pass_max_vocab
         and not inplace_backward
         and logits.requires_grad
         and torch.is_grad_enabled()
     )
-    if two_pass:
-        from rlkernel.ops._logprobs_function import token_loss_grad_in_forward_triton
+    want_entropy = batch.cfg.entropy_coef != 0
+    if two_pass:  # the row kernel reads the plan: build it first
+        plan = token_loss.plan_from_batch(batch, masked_ids)
+        loss, logp, entropy = fn.token_loss_grad_in_forward_triton(logits, plan, temperature=temperature)
+        return _output(loss, logp, entropy if want_entropy else None, batch)
 
-        loss, logp, entropy = token_loss_grad_in_forward_triton(logits, plan, temperature=temperature)
-    else:
-        loss, logp, entropy = token_loss_triton(
-            logits, plan, temperature=temperature, inplace_backward=inplace_backward
-        )
+    def terms(logp, entropy):
+        # Built here, after the log-prob kernel was queued: the plan's ~20 small launches of host
+        # time overlap that kernel instead of delaying it.
+        plan = token_loss.plan_from_batch(batch, masked_ids)
+        return token_loss_op(plan, logp, entropy, backend="triton")
+
+    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+    loss, logp, entropy = fn.token_loss_triton(
+        logits, source, temperature=temperature, inplace_backward=inplace_backward
+    )
+    return _output(loss, logp, entropy if want_entropy else None, batch)
+
+
+def _fused_token_level_traced(logits, masked_ids, batch, temperature):
+    """The eligible-config logits path inside ``torch.compile``: the plan's torch ops are traced,
+    the kernels are one registered custom op (``rlkernel::token_loss_from_logits``); metrics lazy."""
+    from rlkernel.ops import _logprobs_function as fn
+
+    plan = token_loss.plan_from_batch(batch, masked_ids)
+    loss, logp, entropy = fn.token_loss_traced(logits, plan, temperature=temperature)
     return _output(loss, logp, entropy if plan.want_entropy else None, batch)
+
+
+def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward):
+    """Any objective from logits in two log-prob kernels (Fast-LLM's GSPO design, for every loss):
+    the forward kernel's per-token statistics, the ``[B, T]`` algebra differentiated by autograd
+    *inside the forward* (dL/dlogp, dL/dH per token: the sequence coupling of gspo, gspo_token and
+    gmpo lives only here), and one backward kernel with those coefficients. Same algebra as
+    ``policy_loss`` (the loss and its gradients to fp32 rounding); metrics stay lazy."""
+    from rlkernel.ops import _logprobs_function as fn
+
+    want_entropy = _wants_entropy(batch.cfg)
+    composed = []  # the algebra's output: its metrics are the ones of the loss's own run (clip_cov's
+    # random token draw, say, is not drawn again for them)
+
+    def terms(logp, entropy):
+        with torch.enable_grad():
+            stats = [logp.detach().requires_grad_()]
+            if want_entropy:
+                stats.append(entropy.detach().requires_grad_())
+            composed.append(loss_from_batch(stats[0], stats[1] if want_entropy else None, batch))
+            loss = composed[0].loss
+            if loss.requires_grad:
+                grads = torch.autograd.grad(loss, stats, allow_unused=True, materialize_grads=True)
+            else:  # a loss that reads no log-prob (every token masked): zero coefficients
+                grads = [torch.zeros_like(t) for t in stats]
+        flat = [g.reshape(-1).to(torch.float32) for g in grads]
+        return TokenLossTerms(loss.detach(), flat[0], flat[1] if want_entropy else None)
+
+    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+    loss, _, _ = fn.token_loss_triton(
+        logits, source, temperature=temperature, inplace_backward=inplace_backward
+    )
+    return PolicyLossOutput(loss, compute_metrics=lambda: composed[0].metrics)
 
 
 def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature, invariant_logits=None):

@@ -1,12 +1,18 @@
 """``policy_loss``: the full RL objective of one micro-batch, from per-token log-probs to a scalar.
 
-    ℓ_t  = w_t · policy_term_t  +  kl_coef · KL(logp_t, ref_logp_t)
-    loss = agg(ℓ)  −  entropy_coef · agg(entropy)
+    ℓ_t  = o_t · e_t · w_t · policy_term_t  +  kl_coef · KL(logp_t, ref_logp_t)
+    loss = agg_m'(ℓ)  −  entropy_coef · agg_m'(e · entropy)
 
 where ``policy_term`` is the loss type's per-token term (:mod:`rlkernel.rl.objectives`), w the detached
-rollout-correction weight (:mod:`rlkernel.rl.rollout`; 1 without correction), KL the per-token
-estimator (:mod:`rlkernel.rl.kl`) and ``agg`` the configured aggregation with its global normalizers
-(:mod:`rlkernel.rl.aggregate`).
+rollout weight (a correction's, :mod:`rlkernel.rl.rollout`, or the given ``rollout_weights``; 1
+without), o and e the off-policy sequence mask and the top-entropy-quantile mask
+(:mod:`rlkernel.rl.masks`; 1 when off), KL the per-token estimator (:mod:`rlkernel.rl.kl`) and
+``agg_m'`` the configured aggregation with its global normalizers (:mod:`rlkernel.rl.aggregate`)
+over m' = the mask less the tokens rollout rejection (``cfg.rollout_rs``) removed (m' = m without
+it). o and e keep the token in m' (it still counts in the normalizers); rejection removes it.
+
+On-policy (``old_logp=None``): old_logp = sg[logp] everywhere (ratio 1 in value, its gradient that
+of logp; rollout weights, rejection and the off-policy mask read sg[logp] as the old log-probs).
 
 Masking: a token is active where ``mask != 0``. Every input is passed through ``torch.where`` with the
 mask before any arithmetic, so NaN/inf garbage at masked positions (padding, prompt tokens) never
@@ -16,8 +22,9 @@ count of a step that is all-masked everywhere, included).
 
 Non-finite input: NaN, +inf or −inf at an *active* position of an input the loss reads (``logp``,
 ``advantages``, ``old_logp`` — except for ``reinforce``, whose loss −A·logp does not read it —,
-``ref_logp`` when ``kl_coef > 0``, ``rollout_logp`` with a rollout correction, ``entropy`` when
-``entropy_coef != 0``) gives a NaN loss, never a finite one. ±inf is turned into NaN before any
+``ref_logp`` when ``kl_coef > 0``, ``rollout_logp`` with a rollout correction, rejection or the
+off-policy mask, ``rollout_weights``, ``entropy`` when ``entropy_coef != 0`` or
+``top_entropy_quantile < 1``) gives a NaN loss, never a finite one. ±inf is turned into NaN before any
 arithmetic: otherwise the log-ratio clamp (±20), the k3 clamps or a rollout weight truncated or
 rejected to a finite value would absorb it. The metrics that read such an input are NaN too.
 
@@ -32,16 +39,32 @@ Metrics (detached 0-dim tensors, no host sync; over the active tokens of this ca
     ratio_mean / ratio_min / ratio_max   of r = exp(clamp(logp − old_logp, ±20))
     kl_ref                           (with ref_logp) mean of the configured KL estimator
     entropy_mean                     (with entropy) mean entropy
-    rollout_weight_mean              (with a rollout correction) mean of the applied weight
+    rollout_weight_mean              (a correction or rollout_weights) mean of the applied weight
     rollout_frac_truncated           (TIS) fraction of tokens whose ρ was truncated
     rollout_frac_masked              (MIS) fraction of tokens whose ρ was rejected
+    vespo_phi_mean                   (vespo) mean Gamma weight φ over the active tokens
+    cov_frac                         (clip_cov / kl_cov) fraction of tokens cut / penalized
+    rollout_rs_frac_rejected         (rollout_rs) fraction of the given active tokens rejected
+    off_policy_frac_masked           (off_policy_mask_threshold) fraction whose policy term o drops
+    entropy_frac_masked              (top_entropy_quantile < 1) fraction whose policy term e drops
 
 For ``gspo`` and ``gspo_token`` the clip fractions and ratio statistics are over sequences (those with
-at least one active token) and about the sequence ratio s_i, the quantity that is clipped.
+at least one active token) and about the sequence ratio s_i, the quantity that is clipped (``vespo``:
+its ratio w_i, clip fractions 0). For ``dppo_*`` the clip fractions are the tokens outside the trust
+region, by sign(A).
+
+With ``cfg.kl_ratio_weighted`` the KL term (and ``kl_ref``) is KL·ρ, ρ the loss type's importance
+ratio (:func:`rlkernel.rl.objectives.importance_ratio`, differentiable, as TRL's
+``use_bias_correction_kl``).
 
 Caveats:
     * Metrics are local to the call (micro-batch), not normalized globally; average them as you log.
     * ``rollout_logp`` is ignored when ``cfg.rollout_correction`` is ``None``.
+    * ``clip_cov`` and ``kl_cov`` read counts and selections on the host (a sync, as verl), and
+      ``clip_cov`` draws from torch's default CPU generator (:mod:`rlkernel.rl.covariance`).
+    * ``rollout_logp`` is read only by a rollout correction, rollout rejection and the off-policy
+      mask; otherwise it is ignored. ``rollout_weights`` should be ≥ 0 (they are not checked: a
+      negative weight flips the token's term; with ``gmpo`` its log is NaN).
     * Packed input whose token count equals its sequence count makes ``advantages`` of shape ``[N]``
       ambiguous; it is read per token (equal to per sequence when every sequence has one token).
 """
@@ -55,7 +78,7 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
-from rlkernel.rl import objectives, rollout
+from rlkernel.rl import masks, objectives, rollout
 from rlkernel.rl.aggregate import (
     Normalizer,
     Segments,
@@ -109,7 +132,10 @@ class PolicyLossOutput:
 
 @dataclass(frozen=True)
 class _Batch:
-    """Validated inputs on the padded ``[S, L]`` layout, sanitized at masked positions."""
+    """Validated inputs on the padded ``[S, L]`` layout, sanitized at masked positions.
+
+    ``mask`` is the loss's mask: the given one less the tokens rollout rejection removed
+    (``given_mask`` is the one given). ``old_logp`` is sg[logp] for an on-policy call."""
 
     segments: Segments
     mask: torch.Tensor
@@ -120,6 +146,18 @@ class _Batch:
     ref_logp: torch.Tensor | None
     rollout_logp: torch.Tensor | None
     entropy: torch.Tensor | None
+    given_mask: torch.Tensor
+    rollout_weights: torch.Tensor | None = None
+    rejection: rollout.Rejection | None = None
+
+
+def _reads_rollout_logp(cfg: PolicyLossConfig) -> bool:
+    """Whether ``cfg`` reads ``rollout_logp`` (a correction, rejection, or the off-policy mask)."""
+    return (
+        cfg.rollout_correction is not None
+        or cfg.rollout_rs is not None
+        or cfg.off_policy_mask_threshold is not None
+    )
 
 
 def _advantages(batch: LossBatch, mask: torch.Tensor, dtype: torch.dtype):
@@ -136,39 +174,54 @@ def _padded_batch(logp: torch.Tensor, entropy: torch.Tensor | None, batch: LossB
     """The validated inputs on the padded ``[S, L]`` layout, sanitized at masked positions."""
     seg, cfg = batch.segments, batch.cfg
     dtype = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    active = seg.to_padded(batch.mask != 0, fill=False)
+    given = seg.to_padded(batch.mask != 0, fill=False)
 
     def padded(x: torch.Tensor | None, *, constant: bool = True) -> torch.Tensor | None:
         # ±inf at an active position becomes NaN (the clamps of the algebra would hide it).
         if x is None:
             return None
         x = x.detach() if constant else x
-        return masked(finite_or_nan(seg.to_padded(x).to(dtype)), active)
+        return masked(finite_or_nan(seg.to_padded(x).to(dtype)), given)
 
+    logp2 = padded(logp, constant=False)
+    # On-policy (old_logp=None): the old log-probs are the current ones, detached (ratio 1 in value,
+    # the gradient of logp through it).
+    old2 = padded(batch.old_logp) if batch.old_logp is not None else logp2.detach()
+    rollout2 = padded(batch.rollout_logp) if _reads_rollout_logp(cfg) else None
+    rejected, active = None, given
+    if cfg.rollout_rs is not None:
+        rejected = rollout.rejection(
+            old2, rollout2, given, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
+        )
+        active = rejected.keep
     adv, adv_seq = _advantages(batch, active, dtype)
     return _Batch(
         segments=seg,
         mask=active,
-        logp=padded(logp, constant=False),
-        old_logp=padded(batch.old_logp),
+        logp=logp2,
+        old_logp=old2,
         adv=adv,
         adv_seq=adv_seq,
         ref_logp=padded(batch.ref_logp),
-        rollout_logp=padded(batch.rollout_logp) if cfg.rollout_correction is not None else None,
+        rollout_logp=rollout2,
         entropy=padded(entropy, constant=False),
+        given_mask=given,
+        rollout_weights=padded(batch.rollout_weights),
+        rejection=rejected,
     )
 
 
 @without_autocast
 def policy_loss(
     logp: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cfg: PolicyLossConfig,
     *,
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    rollout_weights: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     global_tokens: Normalizer | int = None,
     global_seqs: Normalizer | int = None,
@@ -180,15 +233,21 @@ def policy_loss(
         logp: ``[B, T]`` padded, or ``[N]`` packed with ``cu_seqlens``; float log-probs of the sampled
             tokens under the current policy (differentiable).
         old_logp: log-probs under the policy that produced the batch (the trainer's, before the
-            update); same shape/device as ``logp``; constant.
+            update); same shape/device as ``logp``; constant. ``None``: on-policy, the old
+            log-probs are ``logp.detach()`` (ratio 1 in value, its gradient that of logp).
         advantages: float, one per sequence (``[B]`` / ``[S]``) or one per token (the shape of
             ``logp``); constant.
         mask: bool/int/float, the shape of ``logp``; a token is active where ``mask != 0``.
         cfg: the objective (:class:`PolicyLossConfig`).
         ref_logp: reference-policy log-probs, required when ``cfg.kl_coef > 0``; constant.
-        rollout_logp: the rollout engine's log-probs, required when ``cfg.rollout_correction`` is
-            set; constant.
-        entropy: per-token entropy (differentiable), required when ``cfg.entropy_coef != 0``.
+        rollout_logp: the rollout engine's log-probs, required when ``cfg.rollout_correction`` or
+            ``cfg.rollout_rs`` is set; read by ``cfg.off_policy_mask_threshold`` when given;
+            constant.
+        rollout_weights: precomputed importance weights, the shape of ``logp`` (verl's
+            ``rollout_is_weights``), multiplied into the policy term like a correction's weights;
+            detached; not together with ``cfg.rollout_correction``.
+        entropy: per-token entropy (differentiable), required when ``cfg.entropy_coef != 0`` or
+            ``cfg.top_entropy_quantile < 1``.
         global_tokens: normalizer of ``token-mean`` for the whole step (int, float or 0-dim tensor,
             >= 0); the local active-token count when ``None``. 0 (a step with no active token on
             any rank) gives loss 0 for this all-masked call; a tensor that is 0 while this call has
@@ -206,8 +265,8 @@ def policy_loss(
     Raises:
         TypeError: a non-tensor or wrong-dtype input, ``cfg`` not a ``PolicyLossConfig``.
         ValueError: shape/device mismatches, bad ``cu_seqlens``, a missing ``ref_logp`` /
-            ``entropy`` / ``rollout_logp`` that ``cfg`` needs, a negative or non-finite number as
-            a normalizer.
+            ``entropy`` / ``rollout_logp`` that ``cfg`` needs, ``rollout_weights`` with
+            ``cfg.rollout_correction``, a negative or non-finite number as a normalizer.
     """
     check.float_tensor("logp", logp)
     batch = validate_batch(
@@ -218,6 +277,7 @@ def policy_loss(
         mask=mask,
         ref_logp=ref_logp,
         rollout_logp=rollout_logp,
+        rollout_weights=rollout_weights,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
@@ -232,12 +292,18 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
 
     Args:
         logp: float, ``inputs.token_shape``, on ``inputs.device`` (checked by the caller).
-        entropy: the same shape, or None; required when ``cfg.entropy_coef != 0``.
+        entropy: the same shape, or None; required when ``cfg.entropy_coef != 0`` or
+            ``cfg.top_entropy_quantile < 1``.
         inputs: from :func:`rlkernel.rl.batch.validate_batch`.
     """
     cfg = inputs.cfg
     if cfg.entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy is required when cfg.entropy_coef != 0 (entropy_coef={cfg.entropy_coef})")
+    if cfg.top_entropy_quantile < 1 and entropy is None:
+        raise ValueError(
+            f"entropy is required when cfg.top_entropy_quantile < 1 (top_entropy_quantile="
+            f"{cfg.top_entropy_quantile})"
+        )
     batch = _padded_batch(logp, entropy, inputs)
     global_tokens, global_seqs = inputs.global_tokens, inputs.global_seqs
 
@@ -252,33 +318,82 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
             width=batch.segments.max_len,
         )
 
-    term = objectives.policy_term(cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask)
-    per_token = term.loss
-    weights = None
+    correction = None
     if cfg.rollout_correction is not None:
-        weights = rollout.rollout_weights(
+        # Over the given mask, as verl computes its IS weights before its rejection.
+        correction = rollout.rollout_weights(
             batch.old_logp,
             batch.rollout_logp,
-            batch.mask,
+            batch.given_mask,
             cfg.rollout_correction,
             cfg.rollout_clip_min,
             cfg.rollout_clip_max,
-            per_sequence=term.sequence_level,
+            per_sequence=cfg.loss_type in objectives.ROLLOUT_PER_SEQUENCE,
+            fold_mask=batch.mask,
         )
-        per_token = per_token * weights.weight
+    term = objectives.policy_term(
+        cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask, rollout_w=correction
+    )
+    per_token, applied = _weighted_policy_term(cfg, batch, term, correction)
+    weights = applied.pop("correction")
     kl = None
     if batch.ref_logp is not None and cfg.kl_coef > 0:
-        estimator = canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator")
-        kl = kl_terms(batch.logp, batch.ref_logp, estimator)
+        kl = _kl(cfg, batch, batch.logp)
         per_token = per_token + cfg.kl_coef * kl
     loss = agg(per_token)
     if cfg.entropy_coef != 0:
-        loss = loss - cfg.entropy_coef * agg(batch.entropy)
-    return PolicyLossOutput(loss, compute_metrics=lambda: _metrics(cfg, batch, term, kl, weights))
+        # The entropy-quantile mask acts on the bonus too (the same tokens as the policy term).
+        entropy = batch.entropy if applied["entropy"] is None else batch.entropy * applied["entropy"]
+        loss = loss - cfg.entropy_coef * agg(entropy)
+    return PolicyLossOutput(loss, compute_metrics=lambda: _metrics(cfg, batch, term, kl, weights, applied))
+
+
+def _weighted_policy_term(
+    cfg: PolicyLossConfig, batch: _Batch, term, correction
+) -> tuple[torch.Tensor, dict]:
+    """The policy term times its detached per-token weights: off-policy mask o, entropy mask e,
+    rollout weight w (``correction``'s, unless the loss type folded it into its term — vespo —, or
+    the given ``rollout_weights``) and the rejection's NaN marker. Returns it with the weights
+    applied (None where absent), for the metrics."""
+    per_token = term.loss
+    applied = {"off_policy": None, "entropy": None, "correction": None, "given": None}
+    if cfg.off_policy_mask_threshold is not None:
+        sampling = batch.rollout_logp if batch.rollout_logp is not None else batch.old_logp
+        applied["off_policy"] = masks.off_policy_weight(
+            batch.logp, sampling, batch.adv, batch.mask, cfg.off_policy_mask_threshold
+        )
+        per_token = per_token * applied["off_policy"]
+    if cfg.top_entropy_quantile < 1:
+        applied["entropy"] = masks.entropy_weight(batch.entropy, batch.mask, cfg.top_entropy_quantile)
+        per_token = per_token * applied["entropy"]
+    if correction is not None:
+        applied["correction"] = correction
+        if not term.rollout_folded:
+            per_token = per_token * correction.weight
+    elif batch.rollout_weights is not None:
+        given = batch.rollout_weights
+        # gmpo: one weight per sequence, as verl's geo_mean folds them
+        if cfg.loss_type in objectives.ROLLOUT_PER_SEQUENCE:
+            given = rollout.fold_per_sequence(given, batch.mask)
+        applied["given"] = given
+        per_token = per_token * given
+    if batch.rejection is not None:
+        per_token = per_token * batch.rejection.weight
+    return per_token, applied
+
+
+def _kl(cfg: PolicyLossConfig, batch: _Batch, logp: torch.Tensor) -> torch.Tensor:
+    """``[S, L]``: the configured KL estimator of ``logp`` against ``ref_logp``; with
+    ``cfg.kl_ratio_weighted``, times the loss type's importance ratio (differentiable, as TRL's
+    ``use_bias_correction_kl``)."""
+    kl = kl_terms(logp, batch.ref_logp, canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator"))
+    if cfg.kl_ratio_weighted:
+        kl = kl * objectives.importance_ratio(cfg, logp, batch.old_logp, batch.mask)
+    return kl
 
 
 @torch.no_grad()
-def _metrics(cfg, batch: _Batch, term, kl, weights) -> dict[str, torch.Tensor]:
+def _metrics(cfg, batch: _Batch, term, kl, weights, applied) -> dict[str, torch.Tensor]:
     m = batch.mask
     low = masked_mean(term.clipped_low.to(batch.logp.dtype), term.ratio_mask)
     high = masked_mean(term.clipped_high.to(batch.logp.dtype), term.ratio_mask)
@@ -288,9 +403,11 @@ def _metrics(cfg, batch: _Batch, term, kl, weights) -> dict[str, torch.Tensor]:
     logp, old = batch.logp.detach(), batch.old_logp
     metrics["approx_kl"] = masked_mean(kl_terms(logp, old, "k3"), m)
     metrics.update(_ratio_stats(term.ratio, term.ratio_mask))
+    for name, values, valid in term.extra:
+        metrics[name] = masked_mean(values.to(batch.logp.dtype), valid)
     if batch.ref_logp is not None:
         if kl is None:  # ref_logp given for monitoring only (kl_coef == 0)
-            kl = kl_terms(logp, batch.ref_logp, canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator"))
+            kl = _kl(cfg, batch, logp)
         metrics["kl_ref"] = masked_mean(kl.detach(), m)
     if batch.entropy is not None:
         metrics["entropy_mean"] = masked_mean(batch.entropy.detach(), m)
@@ -298,6 +415,14 @@ def _metrics(cfg, batch: _Batch, term, kl, weights) -> dict[str, torch.Tensor]:
         metrics["rollout_weight_mean"] = masked_mean(weights.weight, m)
         name = "rollout_frac_truncated" if cfg.rollout_correction.endswith("tis") else "rollout_frac_masked"
         metrics[name] = masked_mean(weights.changed.to(batch.logp.dtype), m)
+    if applied["given"] is not None:
+        metrics["rollout_weight_mean"] = masked_mean(applied["given"], m)
+    if batch.rejection is not None:
+        rejected = batch.rejection.rejected.to(batch.logp.dtype)
+        metrics["rollout_rs_frac_rejected"] = masked_mean(rejected, batch.given_mask)
+    for key, name in (("off_policy", "off_policy_frac_masked"), ("entropy", "entropy_frac_masked")):
+        if applied[key] is not None:
+            metrics[name] = masked_mean((applied[key] == 0).to(batch.logp.dtype), m)
     return metrics
 
 

@@ -18,6 +18,29 @@ side. Sequence weights apply to every token of the sequence.
 For ``gmpo``, whose loss is one value per sequence, token-level weights are folded into one weight per
 sequence by their geometric mean exp(Σ_t m log w_t / n_i), as verl's ``geo_mean`` loss does.
 
+Rejection sampling (``cfg.rollout_rs``, verl's ``rollout_rs``): tokens or whole sequences whose
+divergence between the trainer's and the rollout engine's policy is out of bounds *leave the mask*
+(the policy term, the KL and entropy terms and the local normalizers all drop them), as verl's
+``compute_rollout_rejection_mask`` does to ``response_mask``. With lr_t = clamp(old_logp_t −
+rollout_logp_t, ±20) (= log ρ_t, clamped as verl does):
+
+    k1_t = −lr_t = log(π_rollout / π_old)     k2_t = lr_t² / 2     k3_t = exp(lr_t) − 1 − lr_t
+
+    token_kX      D_t = kX_t                            (the token alone)
+    seq_sum_kX    D_t = Σ_u m_u kX_u                     (every token of the sequence)
+    seq_mean_kX   D_t = Σ_u m_u kX_u / n_i
+    seq_max_kX    D_t = max_{u: m_u} kX_u               (k2, k3 only)
+
+    k1:     keep ⇔ log(rollout_rs_min) ≤ D_t ≤ log(rollout_rs_max)   (a missing bound: no test)
+    k2, k3: keep ⇔ D_t ≤ rollout_rs_max
+
+The rejected tokens leave the mask m; what remains, m' = m ∧ keep, is the loss's mask: it decides
+the policy term's sequence quantities (gspo's sequence ratio, per-sequence advantage means), the
+aggregation's local counts (Σ m', the sequences with an active token in m') and the metrics. Global
+normalizers must count m' too: :func:`rejection_mask` gives it for ``global_normalizers``. The
+correction weights (``cfg.rollout_correction``) are computed over the *given* mask m, as verl
+computes its IS weights before it applies the rejection (matters for ``seq_*`` weights only).
+
 Provenance: verl ``rollout_corr_helper`` (``rollout_is=token|sequence`` with
 ``rollout_is_threshold``, rejection sampling ``rollout_rs``), TRL ``vllm_importance_sampling_mode``
 (``token_truncate | token_mask | sequence_truncate | sequence_mask``), and "When Speed Kills
@@ -34,6 +57,11 @@ Caveats:
       matters without an upper bound.
     * verl's ``geo_mean`` adds 1e-10 inside the log of each token weight; here a rejected token
       (w = 0) makes the sequence weight exactly 0.
+    * Rejection: verl's rejection accepts several comma-separated criteria (all must pass); here
+      one criterion per config. verl's ``seq_mean`` divides by n_i + 1e-8 (the same in float32).
+      A NaN statistic (NaN or ±inf in ``old_logp``/``rollout_logp`` at an active token of the
+      token, or of the sequence for ``seq_*``) keeps the token in the mask with a NaN weight,
+      so the loss is NaN; verl's comparisons would reject it silently.
     * NaN in ``rollout_logp`` (or ``old_logp``) at an active token gives a NaN weight (never silently
       truncated or rejected). Its callers (``policy_loss``, the fused plan) turn ±inf log-probs
       into NaN first, so those give a NaN weight too rather than a weight of 0 or ``max``. A ρ that
@@ -42,11 +70,17 @@ Caveats:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from rlkernel.rl.aggregate import masked, seq_count, seq_sum
+from rlkernel import _validate as check
+from rlkernel.rl.aggregate import finite_or_nan, masked, seq_count, seq_sum
+from rlkernel.rl.batch import segments_for
+from rlkernel.rl.config import PolicyLossConfig
+
+REJECTION_LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND on log ρ before the divergences
 
 
 @dataclass(frozen=True)
@@ -93,6 +127,7 @@ def rollout_weights(
     clip_max: float | None,
     *,
     per_sequence: bool = False,
+    fold_mask: torch.Tensor | None = None,
 ) -> RolloutWeights:
     """Correction weights for ``mode`` in ``token_tis | seq_tis | token_mis | seq_mis``.
 
@@ -102,6 +137,7 @@ def rollout_weights(
         mode: the correction (see the module docstring).
         clip_min, clip_max: the bounds (``None``: unbounded on that side).
         per_sequence: fold token weights into one geometric-mean weight per sequence (gmpo).
+        fold_mask: the tokens that fold (the loss's mask after rejection); ``mask`` when None.
 
     Returns:
         :class:`RolloutWeights`, detached.
@@ -114,7 +150,142 @@ def rollout_weights(
     else:
         weight = torch.where(outside, torch.zeros_like(rho), rho)
     if per_sequence and level == "token":
-        log_w = masked(torch.log(weight), mask)
-        seq_weight = torch.exp(seq_sum(log_w, mask) / seq_count(mask, weight.dtype).clamp_min(1))
-        weight = seq_weight[:, None].expand(mask.shape)
+        weight = fold_per_sequence(weight, mask if fold_mask is None else fold_mask)
     return RolloutWeights(masked(weight, mask), outside & mask)
+
+
+@torch.no_grad()
+def fold_per_sequence(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[S, L]`` token weights → their geometric mean exp(Σ_t m log w_t / n_i) on every position of
+    the sequence (verl ``geo_mean``'s folding of token IS weights for a per-sequence loss)."""
+    log_w = masked(torch.log(weight), mask)
+    seq_weight = torch.exp(seq_sum(log_w, mask) / seq_count(mask, weight.dtype).clamp_min(1))
+    return seq_weight[:, None].expand(mask.shape)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """What rollout rejection does to one batch (all ``[S, L]``).
+
+    Attributes:
+        keep: bool, the tokens that stay: active and not rejected (the loss's mask m').
+        rejected: bool, the active tokens that were rejected.
+        weight: float, 1 everywhere except NaN at active tokens whose statistic is NaN (they stay
+            in ``keep``: multiplied into the policy term, the NaN reaches the loss).
+    """
+
+    keep: torch.Tensor
+    rejected: torch.Tensor
+    weight: torch.Tensor
+
+
+def _divergence(log_rho: torch.Tensor, estimator: str) -> torch.Tensor:
+    lr = log_rho.clamp(-REJECTION_LOG_RATIO_BOUND, REJECTION_LOG_RATIO_BOUND)
+    if estimator == "k1":
+        return -lr
+    if estimator == "k2":
+        return 0.5 * lr * lr
+    return torch.exp(lr) - 1.0 - lr  # k3, verl's spelling (not expm1: same rounding as verl)
+
+
+def _statistic(divergence: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``[S, L]``: the divergence itself (token level) or its sequence sum / mean / max broadcast."""
+    if level == "token":
+        return divergence
+    if level == "seq_sum":
+        per_seq = seq_sum(divergence, mask)
+    elif level == "seq_mean":
+        per_seq = seq_sum(divergence, mask) / seq_count(mask, divergence.dtype).clamp_min(1)
+    elif mask.shape[-1] == 0:  # seq_max of empty rows (amax needs a non-empty dimension)
+        per_seq = divergence.new_zeros(mask.shape[:-1])
+    else:  # seq_max; 0 for a sequence without active tokens (as verl); NaN propagates
+        per_seq = torch.where(mask, divergence, -math.inf).amax(-1)
+        per_seq = torch.where(mask.any(-1), per_seq, 0.0)
+    return per_seq[:, None].expand(mask.shape)
+
+
+@torch.no_grad()
+def rejection(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    criterion: str,
+    low: float | None,
+    high: float | None,
+) -> Rejection:
+    """verl's rollout rejection (see the module docstring) on the padded layout.
+
+    Args:
+        old_logp, rollout_logp: ``[S, L]`` float (any value at masked positions; ±inf at active
+            ones must already be NaN, as ``policy_loss`` and the plan make them).
+        mask: ``[S, L]`` bool, the active tokens.
+        criterion: one of ``rlkernel.rl.config.ROLLOUT_REJECTIONS``.
+        low, high: ``cfg.rollout_rs_min`` / ``cfg.rollout_rs_max`` (ratio bounds for k1, an upper
+            divergence bound for k2/k3).
+
+    Returns:
+        :class:`Rejection`, detached.
+    """
+    level, estimator = criterion.rsplit("_", 1)
+    stat = _statistic(_divergence(masked(old_logp - rollout_logp, mask), estimator), mask, level)
+    inside = torch.ones_like(mask)
+    if estimator == "k1":
+        if low is not None:
+            inside = inside & (stat >= math.log(low))
+        if high is not None:
+            inside = inside & (stat <= math.log(high))
+    else:
+        inside = stat <= high
+    invalid = stat.isnan() & mask
+    rejected = mask & ~inside & ~invalid
+    weight = torch.where(invalid, math.nan, torch.ones_like(stat))
+    return Rejection(keep=mask & ~rejected, rejected=rejected, weight=weight)
+
+
+def rejection_mask(
+    cfg: PolicyLossConfig,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mask that remains after ``cfg``'s rollout rejection: bool, the shape of ``mask``.
+
+    The tokens a loss with ``cfg.rollout_rs`` keeps; pass it to ``rlkernel.global_normalizers``
+    so that the step's normalizers count what the loss counts (verl computes its global token
+    counts from the rejected mask). Without ``cfg.rollout_rs`` it is ``mask != 0``.
+
+    Args:
+        cfg: a ``PolicyLossConfig``.
+        old_logp, rollout_logp: float, the shape of ``mask`` (``[B, T]``, or packed ``[N]`` with
+            ``cu_seqlens``): the log-probs the loss will be given (on-policy calls: the current
+            log-probs, detached).
+        mask: bool/int/float, active where ``!= 0``.
+        cu_seqlens: int ``[S + 1]`` for packed input.
+
+    Raises:
+        TypeError / ValueError: as ``policy_loss`` for the same tensors.
+    """
+    if not isinstance(cfg, PolicyLossConfig):
+        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    mask = check.mask_tensor("mask", mask)
+    check.float_like("old_logp", old_logp, "mask", mask)
+    check.float_like("rollout_logp", rollout_logp, "mask", mask)
+    seg = segments_for(mask, cu_seqlens, name="mask")
+    active = mask != 0
+    if cfg.rollout_rs is None:
+        return active
+    act2 = seg.to_padded(active, fill=False)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return finite_or_nan(seg.to_padded(x.detach().to(torch.promote_types(x.dtype, torch.float32))))
+
+    keep = rejection(
+        padded(old_logp), padded(rollout_logp), act2, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
+    ).keep
+    if not seg.is_packed:
+        return keep
+    flat = torch.zeros(mask.shape[0] + 1, dtype=torch.bool, device=mask.device)
+    flat[seg.gather_index.reshape(-1)] = keep.reshape(-1)  # padding slots all write the spare entry
+    return flat[:-1] & active

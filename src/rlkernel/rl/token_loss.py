@@ -8,11 +8,29 @@ on token t's own logp_t (and dL/dentropy_t on nothing at all):
           global normalizers), ρ_t = detached rollout-correction weight, A_t = broadcast advantage
 
 That holds for ``ppo`` (with ``delta`` and ``dual_clip``), ``cispo``, ``sapo`` and ``reinforce``,
-every aggregation (padded or packed, with or without global normalizers), every KL estimator and
-every rollout correction (``token_*`` and ``seq_*``: their weights are detached functions of
-``old_logp``/``rollout_logp`` only). It does not hold for ``gspo``, ``gspo_token`` and ``gmpo``,
-whose per-token loss depends on the whole sequence's log-probs: they are *not eligible* and keep the
-autograd path (:func:`rlkernel.policy_loss`).
+every aggregation (padded or packed, with or without global normalizers; ``token-sum``: w_t = 1),
+every KL estimator and every rollout correction (``token_*`` and ``seq_*``: their weights are
+detached functions of ``old_logp``/``rollout_logp`` only), given ``rollout_weights`` (they are ρ_t),
+rollout rejection (``cfg.rollout_rs``: a function of ``old_logp``/``rollout_logp``; the rejected
+tokens become ignored ids, leave the aggregation's counts, and a NaN statistic's NaN marker joins
+ρ_t) and on-policy calls (``old_logp=None``: the plan has no ``old`` and the kernel's
+``HAS_OLD=False`` branch uses the token's own logp as old, lr = 0, r = 1 with dr/dlogp = 1 — no
+second log-prob pass, no copy). Not eligible (:func:`is_eligible`; ``fused_policy_loss`` takes its
+fused coefficient path from logits, :func:`rlkernel.policy_loss`'s autograd path otherwise):
+
+* ``gspo``, ``gspo_token``, ``gmpo`` and ``vespo``: the per-token loss (or its detached weight)
+  depends on the whole sequence's current log-probs;
+* ``clip_cov`` and ``kl_cov``: which tokens are cut or penalized depends on covariance statistics
+  of the whole batch's current log-probs (and a random draw);
+* ``dppo_tv``, ``dppo_kl`` and ``dro``: token-local, but the kernel has no branch for their terms
+  (a detached trust-region mask on the probabilities; a quadratic log-ratio penalty) yet;
+* ``kl_ratio_weighted=True``: the KL term gains the ratio factor r_t, with its own gradient
+  (K'·r + K·r), which the kernel's KL branch does not compute;
+* TRL's off-policy sequence mask and top-entropy quantile: their 0/1 weights are functions of this
+  call's log-probs / entropies (a sequence mean, a batch-wide quantile), which exist only once the
+  log-prob kernel has run;
+* an on-policy call with a rollout correction or rejection (their weights would read this call's
+  log-probs as the old ones).
 
 :func:`build_plan` computes the per-token constants with a handful of torch ops (no host sync);
 :func:`rlkernel.ops.token_loss.token_loss` (re-exported here) then runs ONE launch
@@ -47,7 +65,7 @@ from rlkernel.ops.token_loss import (  # noqa: F401 - re-exported: the plan and 
     token_loss,
 )
 from rlkernel.rl import rollout
-from rlkernel.rl.aggregate import Segments, finite_or_nan
+from rlkernel.rl.aggregate import Segments, finite_or_nan, masked
 from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator
@@ -55,9 +73,17 @@ from rlkernel.rl.kl import canonical_kl_estimator
 ELIGIBLE_LOSS_TYPES: tuple[str, ...] = ("ppo", "cispo", "sapo", "reinforce")
 
 
-def is_eligible(cfg: PolicyLossConfig) -> bool:
-    """Whether ``cfg``'s gradient is token-local (see the module docstring): ppo, cispo, sapo, reinforce."""
-    return cfg.loss_type in ELIGIBLE_LOSS_TYPES
+def is_eligible(cfg: PolicyLossConfig, *, on_policy: bool = False) -> bool:
+    """Whether a call with ``cfg`` has a token-level plan (see the module docstring): loss type ppo,
+    cispo, sapo or reinforce; no ratio-weighted KL; no off-policy sequence mask and no entropy
+    quantile (their masks need the call's own log-probs / entropies, known only inside the kernel);
+    and, for an on-policy call (``on_policy``: ``old_logp=None``), no rollout correction or
+    rejection (they would read the call's own log-probs as the old ones)."""
+    if cfg.loss_type not in ELIGIBLE_LOSS_TYPES or cfg.kl_ratio_weighted:
+        return False
+    if cfg.off_policy_mask_threshold is not None or cfg.top_entropy_quantile < 1:
+        return False
+    return not (on_policy and (cfg.rollout_correction is not None or cfg.rollout_rs is not None))
 
 
 def _flat_f32(x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +127,7 @@ def build_plan(
     mask: torch.Tensor,
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
+    rollout_weights: torch.Tensor | None = None,
     global_tokens: float | torch.Tensor | None = None,
     global_seqs: float | torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
@@ -108,12 +135,14 @@ def build_plan(
     """The per-token constants of ``policy_loss(logp, old_logp, advantages, mask, cfg, ...)``.
 
     Args:
-        cfg: an eligible config (:func:`is_eligible`); ValueError otherwise.
+        cfg: an eligible config (:func:`is_eligible`, with ``on_policy=old_logp is None``);
+            ValueError otherwise.
         token_ids: int ``[B, T]`` or packed ``[N]``; only its shape and the mask matter here, plus
             the ids themselves, which the plan keeps (``IGNORE_INDEX`` at masked positions) for the
             kernels.
-        old_logp, advantages, mask, ref_logp, rollout_logp, global_tokens, global_seqs, cu_seqlens:
-            as in :func:`rlkernel.policy_loss`, over the shape of ``token_ids``.
+        old_logp, advantages, mask, ref_logp, rollout_logp, rollout_weights, global_tokens,
+            global_seqs, cu_seqlens: as in :func:`rlkernel.policy_loss`, over the shape of
+            ``token_ids`` (``old_logp=None``: on-policy, the kernel uses its own log-probs).
 
     Returns:
         :class:`TokenLossPlan`. No host sync (except reading ``cu_seqlens`` for packed input and a
@@ -131,6 +160,7 @@ def build_plan(
         mask=mask,
         ref_logp=ref_logp,
         rollout_logp=rollout_logp,
+        rollout_weights=rollout_weights,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
@@ -142,9 +172,39 @@ def build_plan(
 def masked_token_ids(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, active)``: int64 ``token_ids`` with ``IGNORE_INDEX`` at masked positions (so they cost
     no softmax gradient and need no valid id), and the bool mask of active positions (``mask != 0``).
-    int64 first: ``IGNORE_INDEX`` does not fit unsigned id dtypes (uint8 would wrap it to 156)."""
+    int64 first: ``IGNORE_INDEX`` does not fit unsigned id dtypes (uint8 would wrap it to 156).
+    Negative active ids become -1: an active id equal to ``IGNORE_INDEX`` must reach the kernels as
+    out of range (a NaN log-prob) rather than as a position to skip (an id check raises for both)."""
     active = mask != 0
-    return torch.where(active, token_ids.long(), IGNORE_INDEX), active
+    return torch.where(active, token_ids.long().clamp_min(-1), IGNORE_INDEX), active
+
+
+def _rollout_terms(batch: LossBatch, act2: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(rollout_w, mask)`` on ``[S, L]``: the detached weight of the policy term — the correction's
+    (over the given mask ``act2``, as ``policy_loss``), or the given ``rollout_weights``, times the
+    rejection's NaN marker — or None; and the mask after rollout rejection (``act2`` without it)."""
+    cfg, seg = batch.cfg, batch.segments
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        # ±inf becomes NaN (a truncated or rejected weight would hide it), as in policy_loss.
+        return finite_or_nan(seg.to_padded(x.detach().to(torch.float32)))
+
+    weight, keep = None, act2
+    if cfg.rollout_correction is not None or cfg.rollout_rs is not None:
+        old2, roll2 = padded(batch.old_logp), padded(batch.rollout_logp)
+    if cfg.rollout_correction is not None:
+        weight = rollout.rollout_weights(
+            old2, roll2, act2, cfg.rollout_correction, cfg.rollout_clip_min, cfg.rollout_clip_max
+        ).weight
+    elif batch.rollout_weights is not None:
+        weight = masked(padded(batch.rollout_weights), act2)
+    if cfg.rollout_rs is not None:
+        rejected = rollout.rejection(
+            old2, roll2, act2, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
+        )
+        keep = rejected.keep
+        weight = rejected.weight if weight is None else weight * rejected.weight
+    return weight, keep
 
 
 def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tensor]) -> TokenLossPlan:
@@ -156,16 +216,24 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
             bool mask of active positions, the per-token shape.
     """
     cfg, seg, device = batch.cfg, batch.segments, batch.device
-    if not is_eligible(cfg):
+    if not is_eligible(cfg, on_policy=batch.old_logp is None):
         raise ValueError(
-            f"loss_type={cfg.loss_type!r} has no token-level plan (eligible: {ELIGIBLE_LOSS_TYPES})"
+            f"this call has no token-level plan: loss_type must be one of {ELIGIBLE_LOSS_TYPES} (got "
+            f"{cfg.loss_type!r}), without kl_ratio_weighted, off_policy_mask_threshold or "
+            "top_entropy_quantile < 1, and an on-policy call (old_logp=None) without rollout_correction "
+            "or rollout_rs"
         )
-    old_logp, ref_logp, rollout_logp = batch.old_logp, batch.ref_logp, batch.rollout_logp
+    old_logp, ref_logp = batch.old_logp, batch.ref_logp
     flat_ids, active = masked_ids[0].reshape(-1), masked_ids[1]
     n = flat_ids.numel()
     g_tokens, g_seqs = batch.global_tokens, batch.global_seqs
     inverse = _inverse_index(seg, n)
     act2 = seg.to_padded(active, fill=False)
+    # Rollout weights and rejection first: the rejection changes the mask the aggregation counts.
+    rollout_w, act2 = _rollout_terms(batch, act2)
+    if cfg.rollout_rs is not None:  # rejected tokens leave the mask: ignored ids, not counted
+        active = _to_tokens(act2, seg, inverse)
+        flat_ids = torch.where(active, flat_ids, IGNORE_INDEX)
 
     # Per-sequence values of a padded batch stay [S]: the kernel reads sequence token // T.
     adv = batch.advantages.detach()
@@ -177,7 +245,9 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
 
     # Aggregation: w_t = factor_t / (norm_mult · max(denom, floor)).
     factor, denom, norm_mult, floor = None, None, 1.0, -math.inf
-    if cfg.aggregation == "token-mean":
+    if cfg.aggregation == "token-sum":
+        pass  # w_t = 1: no denominator (and no global normalizer read)
+    elif cfg.aggregation == "token-mean":
         if g_tokens is None:
             denom, floor = active.sum(), 1.0
         else:
@@ -195,15 +265,8 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
         elif cfg.aggregation == "seq-mean-token-sum-norm":
             norm_mult *= float(cfg.norm_length if cfg.norm_length is not None else max(seg.max_len, 1))
 
-    rollout_w = None
-    if cfg.rollout_correction is not None:
-        # ±inf becomes NaN (a truncated or rejected weight would hide it), as in policy_loss.
-        old2 = finite_or_nan(seg.to_padded(old_logp.detach().to(torch.float32)))
-        roll2 = finite_or_nan(seg.to_padded(rollout_logp.detach().to(torch.float32)))
-        weights = rollout.rollout_weights(
-            old2, roll2, act2, cfg.rollout_correction, cfg.rollout_clip_min, cfg.rollout_clip_max
-        )
-        rollout_w = _to_tokens(weights.weight, seg, inverse)
+    if rollout_w is not None:
+        rollout_w = _to_tokens(rollout_w, seg, inverse)
 
     kl = None
     straight = False
@@ -233,7 +296,7 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
     )
     return TokenLossPlan(
         ids=flat_ids,
-        old=_flat_f32(old_logp),
+        old=_flat_f32(old_logp) if old_logp is not None else None,
         adv=adv_t,
         ref=_flat_f32(ref_logp) if use_kl else None,
         rollout_w=rollout_w,

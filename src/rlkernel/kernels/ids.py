@@ -1,0 +1,92 @@
+"""One launch that finds out-of-range token ids: their count and the first one, for a check that
+must not read anything on the host (``rlkernel.ops.id_checks``).
+
+Why a kernel: the same check in torch ops (compare, mask, sum, argmax, index, cat) is ~9 launches,
+~190 us of host time per call on the H100 host (torch 2.11, 2026-11-24); this is one launch on a
+two-int64 buffer cloned from a cached template.
+
+Output ``stats`` int64 [2]: ``stats[0]`` = the number of bad ids, ``stats[1]`` = a key whose high 32
+bits are the flat index of the first bad id and whose low 32 bits are that id clamped to int32,
+offset by 2^31 (``decode_first``); ``INT64_MAX`` when there is none. Blocks merge with
+``atomic_add`` / ``atomic_min``: integer atomics, so the result does not depend on the block order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlkernel.kernels._launch import FastLauncher, cdiv
+from rlkernel.kernels._launch import device_guard as _device_guard
+
+BLOCK = 1024
+NO_BAD_ID = 2**63 - 1
+_INT32_OFFSET = 2**31
+
+
+@triton.jit(do_not_specialize=["vocab_size", "ignore_index"])
+def _bad_ids_kernel(
+    # output
+    stats_ptr,
+    # inputs
+    ids_ptr,
+    active_ptr,
+    # sizes and runtime scalars
+    n,
+    vocab_size,
+    ignore_index,
+    # meta
+    HAS_ACTIVE: tl.constexpr,
+    HAS_IGNORE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < n
+    y = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    bad = in_range & ((y < 0) | (y >= vocab_size))
+    if HAS_IGNORE:
+        bad = bad & (y != ignore_index)
+    if HAS_ACTIVE:
+        bad = bad & (tl.load(active_ptr + offs, mask=in_range, other=0) != 0)
+    count = tl.sum(bad.to(tl.int64), axis=0)
+    low = tl.minimum(tl.maximum(y, -2147483648), 2147483647) + 2147483648
+    key = tl.min(tl.where(bad, (offs << 32) | low, 9223372036854775807), axis=0)
+    if count > 0:
+        tl.atomic_add(stats_ptr, count)
+        tl.atomic_min(stats_ptr + 1, key)
+
+
+_launch = FastLauncher(_bad_ids_kernel)
+_templates: dict[torch.device, torch.Tensor] = {}
+
+
+def bad_id_stats(
+    ids: torch.Tensor, vocab_size: int, ignore_index: int | None, active: torch.Tensor | None
+) -> torch.Tensor:
+    """``stats`` int64 [2] on ``ids.device`` (see the module docstring) for the flat ids: bad = outside
+    ``[0, vocab_size)``, not ``ignore_index`` (``None``: none exempt), and ``active`` (a bool
+    tensor of ``ids``' shape; ``None``: every position). Asynchronous: nothing is read on the host
+    (the template's first upload per device aside)."""
+    template = _templates.get(ids.device)
+    if template is None:  # one upload per device, the first call only
+        template = _templates[ids.device] = torch.tensor([0, NO_BAD_ID], dtype=torch.int64, device=ids.device)
+    stats = template.clone()
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return stats
+    act = active.reshape(-1) if active is not None else flat
+    with _device_guard(flat):
+        _launch(
+            (cdiv(n, BLOCK),),
+            (stats, flat, act, n, int(vocab_size), int(ignore_index) if ignore_index is not None else 0),
+            {"HAS_ACTIVE": active is not None, "HAS_IGNORE": ignore_index is not None, "BLOCK": BLOCK},
+            {"num_warps": 4},
+        )
+    return stats
+
+
+def decode_first(key: int) -> tuple[int, int]:
+    """``(flat index, id)`` of the first bad id from ``stats[1]`` (the id clamped to int32)."""
+    return key >> 32, (key & 0xFFFFFFFF) - _INT32_OFFSET

@@ -1,0 +1,130 @@
+"""Token-id range checks that cost the GPU queue no host sync: the check runs on the device, its
+result comes back through pinned memory, and a bad id raises at a later, well-defined point.
+
+Why: the default ``validate=True`` of the log-prob ops and ``fused_policy_loss`` used to read the
+check's result at once (``bool(bad.any())``): one host sync per call, which stalls the launch queue
+whenever the CPU runs ahead of the GPU (a training step's normal state). Now, on a CUDA device:
+
+    call k      one kernel (``rlkernel.kernels.ids``) counts the out-of-range ids and finds the first
+                one, queued after the call's own kernels; the two numbers are copied (non-blocking)
+                into pinned host memory, with an event behind them
+    later       the error of call k is raised (``ValueError``, naming the argument, the count and
+                the first bad id) by the first of:
+                  * any later call of a checking rlkernel op (``token_logprobs``,
+                    ``linear_token_logprobs``, ``fused_policy_loss``) made after the GPU finished
+                    call k's check (the event is polled, never waited on),
+                  * :func:`raise_pending_errors` (``rk.raise_pending_errors()``), which waits for
+                    every pending check: call it where the step synchronizes anyway (logging).
+
+Meanwhile nothing silently wrong comes out of call k: the kernels give an out-of-range id a NaN
+log-prob, so the loss and the gradients are NaN. On the CPU (and for inputs that take the reference
+backend on CUDA, where an out-of-range gather would be a device-side assert) the check is read at
+once and raises inside the call, as before.
+
+State: one process-wide list of pending checks (behind a lock: backward runs on autograd's device
+threads). It holds a pinned two-int64 buffer and an event per unfinished call, and is emptied as
+the checks complete and are read; read buffers are kept for reuse (pinned allocation is slow).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from rlkernel import _validate as check
+
+
+@dataclass(frozen=True)
+class _Pending:
+    what: str  # the argument, as the error names it
+    vocab_size: int
+    ignore_index: int | None
+    host: torch.Tensor  # pinned int64 [2]: count, first-bad key (rlkernel.kernels.ids)
+    done: torch.cuda.Event
+
+
+_lock = threading.Lock()
+_pending: list[_Pending] = []
+_free_buffers: list[torch.Tensor] = []  # pinned [2] buffers already read, reused (no allocation per call)
+
+
+def raise_pending_errors(wait: bool = True) -> None:
+    """Raise the error of the first pending id check that found a bad id (see the module docstring).
+
+    Args:
+        wait: ``True`` (the public default) waits for every pending check (one host sync on their
+            events); ``False`` reads only the checks the GPU has already finished (no sync).
+
+    Raises:
+        ValueError: an earlier call had active token ids outside ``[0, V)``; the message names that
+            call's argument, the count and the first bad id. Each check raises at most once.
+        TypeError: ``wait`` is not a bool.
+    """
+    check.boolean("wait", wait)
+    with _lock:
+        ready = [p for p in _pending if wait or p.done.query()]
+        if not ready:
+            return
+        for p in ready:
+            _pending.remove(p)
+    for p in ready:
+        if wait:
+            p.done.synchronize()
+        count, key = (int(v) for v in p.host.tolist())
+        with _lock:
+            _free_buffers.append(p.host)
+        if count:
+            from rlkernel.kernels.ids import decode_first
+
+            first = decode_first(key)[1]
+            raise ValueError(check.token_ids_message(p.what, count, p.vocab_size, p.ignore_index, first))
+
+
+def check_token_ids(
+    what: str,
+    ids: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int | None,
+    *,
+    defer: bool,
+    active: torch.Tensor | None = None,
+) -> None:
+    """Every id is in ``[0, vocab_size)`` or equals ``ignore_index`` (``None``: none is exempt).
+
+    With ``defer`` and ids on CUDA the check is deferred (no host sync; see the module docstring)
+    and the errors of earlier finished checks are raised first; otherwise it raises here.
+
+    Args:
+        what: names the argument in the error, e.g. ``"token_ids"``.
+        ids: int tensor of any shape (on the device of the logits).
+        defer: the caller's kernels give an out-of-range id a NaN result (the Triton path); the
+            reference path must check at once (an out-of-range gather is a device-side assert).
+        active: optional bool mask, the shape of ``ids``: only these positions are checked.
+
+    Inside CUDA-graph capture nothing is checked (no event can be polled there); the NaN that the
+    kernels give an out-of-range id still marks the result.
+    """
+    if not defer or ids.device.type != "cuda":
+        checked = ids if active is None else torch.where(active, ids, 0)
+        check.token_ids_in_range(what, checked, vocab_size, ignore_index)
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    raise_pending_errors(wait=False)
+    if ids.numel() == 0:
+        return
+    from rlkernel.kernels.ids import bad_id_stats
+
+    stats = bad_id_stats(ids, vocab_size, ignore_index, active)
+    with _lock:
+        host = _free_buffers.pop() if _free_buffers else None
+    if host is None:
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    with _lock:
+        _pending.append(_Pending(what, vocab_size, ignore_index, host, done))
+
