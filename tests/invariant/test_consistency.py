@@ -1,5 +1,6 @@
 """``rlkernel consistency`` on the tiny CPU model: the patched model's decode and prefill log-probs
-agree bitwise over decode batch sizes {1, 3} and prefill batch sizes {2, 4} plus packing; the report
+agree bitwise over decode batch sizes {1, 3} and prefill batch sizes {2, 4} plus packing and the
+fused hidden-state path (``invariant=True``), also in bf16 with fp32 LM-head logits; the report
 (table and JSON) is complete; the model is left unpatched; bad command lines exit 2.
 """
 
@@ -40,6 +41,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("consistency") / "out.json"
     argv = [*SMALL, "--decode-batch-sizes", "1,3", "--prefill-batch-sizes", "2,4", "--json", str(path)]
+    argv += ["--lm-head-dtype", "float32"]  # an fp32 model: the same as the default
     rc = rk_cli.main(["consistency", *argv, "--require-bitwise"])
     return rc, json.loads(path.read_text())
 
@@ -52,7 +54,7 @@ def test_patched_model_is_bitwise_consistent(report):
     expected = {
         (d, t)
         for d in ("decode bs=1", "decode bs=3")
-        for t in ("prefill bs=2", "prefill bs=4", "packed bs=4")
+        for t in ("prefill bs=2", "prefill bs=4", "packed bs=4", "fused inv bs=4")
     }
     assert ways == expected | {("decode bs=1", "decode bs=3")}
     for p in pairs:
@@ -65,6 +67,7 @@ def test_unpatched_numbers_are_reported(report):
     _, rep = report
     pairs = rep["results"]["unpatched"]["pairs"]
     assert len(pairs) == len(rep["results"]["patched"]["pairs"])
+    assert {p["training"] for p in pairs} >= {"fused bs=4"}  # the default hidden-state path
     for p in pairs:
         assert 0.0 <= p["bitwise_equal_pct"] <= 100.0
         assert 0.0 <= p["mean_abs_diff"] <= p["max_abs_diff"] < 1e-3  # fp32: tiny, but maybe not 0
@@ -75,6 +78,7 @@ def test_report_fields(report):
     assert rep["model"]["architecture"] == "Qwen3ForCausalLM" and rep["model"]["layers"] == 2
     assert rep["device"] == "cpu" and rep["dtype"] == "float32"
     assert rep["settings"]["decode_batch_sizes"] == [1, 3] and rep["tokens"] == 6 * 8
+    assert rep["settings"]["lm_head_dtype"] == "float32"
     t = rep["timing"]
     for key in (
         "unpatched_prefill_ms",
@@ -87,7 +91,37 @@ def test_report_fields(report):
         t["patched_prefill_ms"] / t["unpatched_prefill_ms"]
     )
     text = cons.format_report(rep)
-    assert "PASS" in text and "packed bs=4" in text and "speed:" in text
+    assert "PASS" in text and "packed bs=4" in text and "fused inv bs=4" in text and "speed:" in text
+
+
+def test_bf16_with_fp32_lm_head_is_bitwise_consistent(capsys):
+    """bf16 weights, ``--lm-head-dtype float32``: the patched model's fp32 logits at decode, in the
+    logits prefill and through the fused invariant path (``logits_dtype=torch.float32``) agree."""
+    argv = ["--num-seqs", "3", "--prompt-len", "4", "--gen-len", "4", "--reps", "1", "--dtype", "bfloat16"]
+    argv += ["--decode-batch-sizes", "1,3", "--prefill-batch-sizes", "3", "--lm-head-dtype", "float32"]
+    rc = cons.run(_args([*argv, "--require-bitwise", "--json"]))
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["patched_bitwise"] and rep["settings"]["lm_head_dtype"] == "float32"
+    fused = [p for p in rep["results"]["patched"]["pairs"] if p["training"] == "fused inv bs=3"]
+    assert len(fused) == 2 and all(p["bitwise_equal_pct"] == 100.0 for p in fused)
+
+
+def test_require_bitwise_covers_the_fused_pair(monkeypatch, capsys):
+    """A fused invariant path one ulp off fails --require-bitwise (exit 1), the rest being equal."""
+    real = cons.fused_prefill_logprobs
+
+    def off_by_one_ulp(*args, invariant, **kw):
+        out = real(*args, invariant=invariant, **kw)
+        return torch.nextafter(out, torch.zeros_like(out)) if invariant else out
+
+    monkeypatch.setattr(cons, "fused_prefill_logprobs", off_by_one_ulp)  # seam: a broken fused path
+    argv = ["--num-seqs", "2", "--prompt-len", "3", "--gen-len", "2", "--reps", "1"]
+    argv += ["--decode-batch-sizes", "1", "--prefill-batch-sizes", "2", "--require-bitwise"]
+    rc = cons.run(_args(argv))
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL: the patched model is NOT" in out
+    line = next(x for x in out.splitlines() if x.startswith("patched") and "fused inv bs=2" in x)
+    assert line.endswith(" 0.0%")
 
 
 def test_json_to_stdout_parses_and_model_left_unpatched(capsys, monkeypatch):

@@ -347,7 +347,10 @@ def test_custom_ops_opcheck_and_compile(monkeypatch):
     monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
     x, w, b = _inputs(5, 32, 16, torch.float32, seed=8)
     th = [2048, 32768, 128, 512]
-    torch.library.opcheck(_linear_op, (x, w, b, "tuned", th), test_utils=("test_schema", "test_faketensor"))
+    utils = ("test_schema", "test_faketensor")
+    torch.library.opcheck(_linear_op, (x, w, b, "tuned", th, None), test_utils=utils)
+    xh, wh, bh = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    torch.library.opcheck(_linear_op, (xh, wh, bh, "tuned", th, torch.float32), test_utils=utils)
     torch.library.opcheck(_mm_op, (x, w.t(), "single", th), test_utils=("test_schema", "test_faketensor"))
     compiled = torch.compile(lambda a: linear(a, w, b), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), linear(x, w, b))

@@ -39,6 +39,11 @@ Method (docs/guides/consistency.md has the reading guide):
 6. **One log-softmax path.** Every logits tensor is cast to fp32 (exact from bf16) and goes through
    :func:`rlkernel.token_logprobs` (itself batch invariant), so the log-softmax cannot be the source
    of any difference; only the model's forward can.
+6b. **The memory-flat training path** (``fused bs=B`` / ``fused inv bs=B``): the same right-padded
+   prefill batches of the largest size through the base model (``model.model``, no LM head), then
+   :func:`rlkernel.linear_token_logprobs` from the last hidden states and ``lm_head.weight``, as a
+   trainer that never materializes the logits scores them: the default path for the unpatched
+   model, ``invariant=True`` (with the patched LM head's ``logits_dtype``) for the patched one.
 7. **Timing.** Prefill forward (the first batch of the largest prefill size, no grad) and one decode
    step (the largest decode batch, KV cache primed with the prompts, 8 steps per round), unpatched
    and patched in ``--reps`` alternating rounds after a warm-up round (HF eager decode is host
@@ -78,6 +83,7 @@ from rlkernel.invariant.scoring import (  # noqa: F401 - Preset, PAD_ID: re-expo
     DTYPES,
     PAD_ID,
     Preset,
+    _chunks,
     build_model,
     decode_logprobs,
     load_model,
@@ -121,10 +127,57 @@ class Settings:
     prefill_batch_sizes: tuple[int, ...]
     seed: int
     reps: int
+    lm_head_dtype: torch.dtype | None = None  # the patched LM head's (None: the weight's dtype)
 
 
-def score_all(model, prompts, completions, s: Settings) -> dict[str, torch.Tensor]:
-    """Every way of computing the completions' log-probs: ``decode bs=b``, ``prefill bs=b``, ``packed``."""
+@torch.no_grad()
+def fused_prefill_logprobs(
+    model: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    completions: torch.Tensor,
+    batch_size: int,
+    *,
+    invariant: bool,
+    logits_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``[S, G]`` fp32: each completion token's log-prob from the hidden-state (memory-flat) path.
+
+    Prompt + completion in right-padded batches of ``batch_size`` through the base model (no LM
+    head, no cache), then ``rlkernel.linear_token_logprobs(hidden, lm_head.weight, ids, ...)`` with
+    the completion tokens as ids at the positions before them and ``ignore_index`` everywhere else
+    (prompt and padding): one call per batch, as a trainer scores its micro-batch.
+    """
+    import rlkernel as rk
+
+    device = next(model.parameters()).device
+    head = model.lm_head
+    gen_len = completions.shape[1]
+    out = torch.empty(completions.shape, dtype=torch.float32)
+    for rows in _chunks(len(prompts), batch_size):
+        seqs = [torch.cat([prompts[i], completions[i]]) for i in rows]
+        width = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        target = torch.full((len(seqs), width), -100, dtype=torch.long)
+        for j, i in enumerate(rows):
+            p = len(prompts[i])
+            ids[j, : len(seqs[j])], mask[j, : len(seqs[j])] = seqs[j], 1
+            target[j, p - 1 : p - 1 + gen_len] = completions[i]
+        hidden = model.model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+        ).last_hidden_state
+        inv = {"invariant": invariant, "logits_dtype": logits_dtype}
+        logp = rk.linear_token_logprobs(hidden, head.weight, target.to(device), bias=head.bias, **inv).cpu()
+        for j, i in enumerate(rows):
+            p = len(prompts[i])
+            out[i] = logp[j, p - 1 : p - 1 + gen_len]
+    return out
+
+
+def score_all(model, prompts, completions, s: Settings, *, patched: bool = False) -> dict[str, torch.Tensor]:
+    """Every way of computing the completions' log-probs: ``decode bs=b``, ``prefill bs=b``,
+    ``packed``, and the hidden-state path: ``fused bs=B`` (default) or, for the ``patched`` model,
+    ``fused inv bs=B`` (``invariant=True``)."""
     ways: dict[str, torch.Tensor] = {}
     for b in s.decode_batch_sizes:
         t0 = time.perf_counter()
@@ -134,6 +187,12 @@ def score_all(model, prompts, completions, s: Settings) -> dict[str, torch.Tenso
         ways[f"prefill bs={b}"] = prefill_logprobs(model, prompts, completions, b)
     b = max(s.prefill_batch_sizes)
     ways[f"packed bs={b}"] = prefill_logprobs(model, prompts, completions, b, packed=True)
+    if patched:
+        ways[f"fused inv bs={b}"] = fused_prefill_logprobs(
+            model, prompts, completions, b, invariant=True, logits_dtype=s.lm_head_dtype
+        )
+    else:
+        ways[f"fused bs={b}"] = fused_prefill_logprobs(model, prompts, completions, b, invariant=False)
     return ways
 
 
@@ -169,9 +228,11 @@ def run_check(model: torch.nn.Module, s: Settings, *, label: str = "") -> dict[s
     for variant in ("unpatched", "patched"):
         try:
             if variant == "patched":
-                patch_hf_model(model)
+                # (lm_head_dtype passed only when set: the default call is patch_hf_model(model))
+                head = {} if s.lm_head_dtype is None else {"lm_head_dtype": s.lm_head_dtype}
+                patch_hf_model(model, **head)
             _log(f"{label}{variant}: scoring")
-            ways = score_all(model, prompts, completions, s)
+            ways = score_all(model, prompts, completions, s, patched=variant == "patched")
             results[variant] = {"pairs": pairs(ways), "all_ways_bitwise_equal_pct": _all_equal(ways)}
         except Exception as exc:  # noqa: BLE001 - report the other variant's numbers, then fail
             msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
@@ -239,7 +300,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--require-bitwise",
         action="store_true",
-        help="exit 1 unless the patched model is 100%% bitwise equal",
+        help="exit 1 unless the patched model is 100%% bitwise equal (the fused invariant path included)",
+    )
+    parser.add_argument(
+        "--lm-head-dtype",
+        choices=("weight", "float32"),
+        default="weight",
+        help="the patched LM head's logits: in the weight's dtype (default) or float32 "
+        "(patch_hf_model(lm_head_dtype=torch.float32); the fused invariant path matches it)",
     )
 
 
@@ -284,6 +352,7 @@ def _resolve(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Setti
         prefill_batch_sizes=pick(args.prefill_batch_sizes, run["prefill"]),
         seed=args.seed,
         reps=max(1, reps),
+        lm_head_dtype=torch.float32 if args.lm_head_dtype == "float32" else None,
     )
     for name in ("num_seqs", "prompt_len", "gen_len"):
         if getattr(s, name) < 1:
@@ -302,14 +371,14 @@ def format_report(report: dict[str, Any]) -> str:
         f"{max(1, math.ceil(st['prompt_len'] / 2))}-{st['prompt_len']} tokens "
         f"({report['tokens']} tokens per comparison)",
         "",
-        f"{'model':<10} {'rollout':<13} {'training':<15} {'max |dlogp|':>12} {'mean |dlogp|':>13} "
+        f"{'model':<10} {'rollout':<13} {'training':<16} {'max |dlogp|':>12} {'mean |dlogp|':>13} "
         f"{'bitwise equal':>14}",
     ]
     for variant in ("unpatched", "patched"):
         res = report["results"][variant]
         for p in res["pairs"]:
             lines.append(
-                f"{variant:<10} {p['rollout']:<13} {p['training']:<15} {p['max_abs_diff']:>12.3g} "
+                f"{variant:<10} {p['rollout']:<13} {p['training']:<16} {p['max_abs_diff']:>12.3g} "
                 f"{p['mean_abs_diff']:>13.3g} {p['bitwise_equal_pct']:>13.1f}%"
             )
         if "error" in res:
@@ -382,6 +451,7 @@ def run(args: argparse.Namespace) -> int:
             "prefill_batch_sizes": list(s.prefill_batch_sizes),
             "seed": s.seed,
             "reps": s.reps,
+            "lm_head_dtype": str(s.lm_head_dtype or dtype).removeprefix("torch."),
         },
         "tokens": s.num_seqs * s.gen_len,
         **measured,

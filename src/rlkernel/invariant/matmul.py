@@ -51,17 +51,24 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ``table`` = the option matmul_table, ``thresholds`` = the four ints of matmul_thresholds.
 @torch.library.custom_op("rlkernel::invariant_linear", mutates_args=())
 def _linear_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, table: str, thresholds: list[int]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: str,
+    thresholds: list[int],
+    out_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T (+ bias)`` through the Triton kernel; ``[M, N]`` in x's dtype."""
+    """``x [M, K] @ weight[N, K].T (+ bias)`` through the Triton kernel; ``[M, N]`` in ``out_dtype``
+    (None: x's dtype)."""
     from rlkernel.kernels import matmul as kernels
 
-    return kernels.matmul(x, weight.t(), bias=bias, table=table, thresholds=_thresholds(thresholds))
+    th = _thresholds(thresholds)
+    return kernels.matmul(x, weight.t(), bias=bias, table=table, thresholds=th, out_dtype=out_dtype)
 
 
 @_linear_op.register_fake
-def _(x, weight, bias, table, thresholds):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+def _(x, weight, bias, table, thresholds, out_dtype):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
 
 
 @torch.library.custom_op("rlkernel::invariant_mm", mutates_args=())
@@ -90,20 +97,21 @@ def _thresholds(values: list[int]) -> MatmulThresholds:
 
 
 # -------------------------------------------------------------------------------------- autograd
-def _linear_fwd(x, weight, bias, backend, opts):
+def _linear_fwd(x, weight, bias, backend, opts, out_dtype):
     if backend != "triton":
-        return ref.linear(x, weight, bias)
+        return ref.linear(x, weight, bias, out_dtype=out_dtype)
     th = _threshold_list(opts.matmul_thresholds)
-    return _dispatch.call_op(_linear_op, x, weight, bias, opts.matmul_table, th)
+    return _dispatch.call_op(_linear_op, x, weight, bias, opts.matmul_table, th, out_dtype)
 
 
 class _LinearFunction(torch.autograd.Function):
     """``out = x @ weight.T + bias`` on 2-D ``x``; forward batch invariant, backward deterministic.
-    ``opts``: the :class:`rlkernel.Options` of the call (the backward uses the forward's)."""
+    ``opts``: the :class:`rlkernel.Options` of the call (the backward uses the forward's);
+    ``out_dtype``: the output dtype (None: x's)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, backend, opts):
-        out = _linear_fwd(x, weight, bias, backend, opts)
+    def forward(ctx, x, weight, bias, backend, opts, out_dtype):
+        out = _linear_fwd(x, weight, bias, backend, opts, out_dtype)
         ctx.save_for_backward(x, weight)
         ctx.backend = backend
         ctx.opts = opts
@@ -117,6 +125,10 @@ class _LinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = db = None
         opts = ctx.opts
+        if ctx.backend == "triton":
+            # An fp32 output of half inputs (``out_dtype``): its gradient is rounded to the inputs'
+            # dtype before the two GEMMs, as autograd does for ``linear(x, w).float()``.
+            grad_out = grad_out.to(x.dtype)
         if ctx.backend == "triton" and opts.invariant_backward == "kernel":
             dy = grad_out.contiguous()
             table, th = opts.matmul_table, _threshold_list(opts.matmul_thresholds)
@@ -139,7 +151,7 @@ class _LinearFunction(torch.autograd.Function):
         if need_b and ctx.has_bias:
             db = grad_out.to(torch.float64 if x.dtype == torch.float64 else torch.float32).sum(0)
             db = db.to(weight.dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -154,14 +166,16 @@ def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tensors
 
 
-def _linear_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_cast(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """:func:`_linear_2d` on the autocast-cast inputs, computed with autocast disabled (so the
     reference's fp32 accumulation and the backward GEMMs are not rewritten by autocast)."""
     if not autocast_enabled():
-        return _linear_2d(x, weight, bias)
+        return _linear_2d(x, weight, bias, out_dtype)
     x, weight, bias = _autocast(x, weight, bias)
     with autocast_disabled():
-        return _linear_2d(x, weight, bias)
+        return _linear_2d(x, weight, bias, out_dtype)
 
 
 def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str]) -> None:
@@ -181,7 +195,11 @@ def _check_linear(x: object, weight: object, bias: object, names: tuple[str, str
             raise TypeError(f"bias dtype {bias.dtype} must match {xn} dtype {x.dtype}")
 
 
-def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_2d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    if out_dtype is x.dtype:
+        out_dtype = None  # one spelling of "x's dtype" (one custom-op signature, one cache key)
     backend = _dispatch.resolve_backend(x.device, has_kernel=x.dtype in KERNEL_DTYPES)
     opts = current_options()
     wants_grad = torch.is_grad_enabled() and (
@@ -192,14 +210,14 @@ def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         from rlkernel.kernels import matmul as kernels
 
         return kernels.linear_forward(
-            x, weight, bias, table=opts.matmul_table, thresholds=opts.matmul_thresholds
+            x, weight, bias, table=opts.matmul_table, thresholds=opts.matmul_thresholds, out_dtype=out_dtype
         )
     lead = x.shape[:-1]
     x2 = x.reshape(lead.numel(), x.shape[-1])  # rows by count, not -1: K may be 0
     if wants_grad:
-        out = _LinearFunction.apply(x2, weight, bias, backend, opts)
+        out = _LinearFunction.apply(x2, weight, bias, backend, opts, out_dtype)
     else:
-        out = _linear_fwd(x2, weight, bias, backend, opts)
+        out = _linear_fwd(x2, weight, bias, backend, opts, out_dtype)
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -228,25 +246,34 @@ def _accepted(x: object, weight: object, bias: object) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Batch-invariant ``x @ weight.T + bias`` (``torch.nn.functional.linear``), differentiable.
 
     Each output row is bitwise identical whatever else is in the batch (M = 1 … 100k rows, slices,
     padding): one K-reduction order per (dtype, N, K), no split-K, no autotuning. Accumulation is
-    fp32 (fp64 for fp64 inputs); the result is rounded once to ``x``'s dtype, bias included.
+    fp32 (fp64 for fp64 inputs); the result is rounded once to ``out_dtype``, bias included.
 
     Args:
         x: ``[..., K]`` float16/bfloat16/float32/float64 (leading dims are rows).
         weight: ``[N, K]`` as in ``nn.Linear``, same dtype and device as ``x``.
         bias: optional ``[N]``, same dtype and device.
+        out_dtype: None (``x``'s dtype) or ``torch.float32``: the fp32 accumulator itself, not
+            rounded to 16 bits (the fp32 logits of ``patch_hf_model(..., lm_head_dtype=torch.float32)``).
+            Its gradient is rounded to ``x``'s dtype before the backward GEMMs.
 
     Returns:
-        ``[..., N]`` in ``x``'s dtype.
+        ``[..., N]`` in ``out_dtype`` (``x``'s dtype by default).
 
     Raises:
         TypeError: non-float inputs, mismatched dtypes.
         ValueError: weight not 2-D, ``weight.shape[1] != x.shape[-1]``, bias not ``[N]``,
-            devices differ.
+            devices differ, ``out_dtype`` neither None, ``x.dtype`` nor ``torch.float32``.
     """
     if not _accepted(x, weight, bias):  # the full checks (they raise) only off the common path
         _check_linear(x, weight, bias, ("x", "weight"))
@@ -254,7 +281,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(
                 f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {check.describe(weight)}"
             )
-    return _linear_cast(x, weight, bias)
+    if out_dtype is not None:
+        check_out_dtype("out_dtype", out_dtype, x.dtype)
+    return _linear_cast(x, weight, bias, out_dtype)
+
+
+def check_out_dtype(name: str, out_dtype: object, x_dtype: torch.dtype) -> None:
+    """``out_dtype`` must be ``x_dtype`` or ``torch.float32`` (for 16-bit or fp32 inputs: an fp64
+    product rounded to fp32 is not an LM head's output any invariant path reproduces)."""
+    if out_dtype is x_dtype or (out_dtype is torch.float32 and x_dtype in KERNEL_DTYPES):
+        return
+    raise ValueError(
+        f"{name} must be None, the input dtype ({x_dtype}) or torch.float32 (for float16/bfloat16/float32 "
+        f"inputs), got {out_dtype!r}"
+    )
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

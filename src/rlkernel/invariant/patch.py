@@ -3,7 +3,8 @@
 What :func:`patch_hf_model` changes, in place (and :func:`unpatch_hf_model` undoes):
 
     every nn.Linear (q/k/v/o, gate/up/down, lm_head)   -> rlkernel.invariant.matmul.linear
-      (whose forward is nn.Linear.forward)
+      (whose forward is nn.Linear.forward)               (lm_head_dtype=torch.float32: the lm_head
+                                                          with out_dtype=torch.float32, fp32 logits)
     every Qwen3RMSNorm / LlamaRMSNorm (incl. q/k_norm) -> rlkernel.invariant.rmsnorm.rms_norm (same eps)
     attention                                           -> rlkernel.invariant.hf_attention, registered
                                                            in transformers' AttentionInterface (and its
@@ -60,31 +61,42 @@ _NORM_CLASSES = ("Qwen3RMSNorm", "LlamaRMSNorm")
 _STATE = "_rlkernel_invariant_state"
 # Stored on each swapped class: the class it replaced.
 _ORIGINAL = "_rlkernel_original_class"
-_swapped_classes: dict[type, type] = {}
+_swapped_classes: dict[tuple[type, Any], type] = {}
 
 
 def _invariant_linear_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return _linear(input, self.weight, self.bias)
 
 
+def _invariant_fp32_logits_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    # The LM head of patch_hf_model(..., lm_head_dtype=torch.float32): the GEMM's fp32 accumulator.
+    return _linear(input, self.weight, self.bias, out_dtype=torch.float32)
+
+
 def _invariant_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return _rms_norm(hidden_states, self.weight, eps=self.variance_epsilon)
 
 
+# The class-name prefix of each replacement forward.
+_PREFIX = {_invariant_linear_forward: "Invariant", _invariant_fp32_logits_forward: "InvariantFp32Logits"}
+
+
 def _swapped_class(cls: type, forward: Any) -> type:
-    """A subclass of ``cls`` that differs only in ``forward`` (cached: one per original class).
+    """A subclass of ``cls`` that differs only in ``forward`` (cached: one per original class and
+    forward).
 
     It is also bound as a module attribute under its own name, so a pickled patched model (e.g.
     ``torch.save(model)``) finds it again."""
-    if cls not in _swapped_classes:
-        name = f"Invariant{cls.__name__}"
+    key = (cls, forward)
+    if key not in _swapped_classes:
+        name = f"{_PREFIX.get(forward, 'Invariant')}{cls.__name__}"
         while name in globals():  # two original classes of one name from different modules
             name += "_"
         new = type(
             name, (cls,), {"forward": forward, _ORIGINAL: cls, "__module__": __name__, "__doc__": cls.__doc__}
         )
-        globals()[name] = _swapped_classes[cls] = new
-    return _swapped_classes[cls]
+        globals()[name] = _swapped_classes[key] = new
+    return _swapped_classes[key]
 
 
 def _supported_classes() -> tuple[type, ...]:
@@ -172,7 +184,44 @@ def _patched_inside(model: nn.Module) -> list[str]:
     ]
 
 
-def patch_hf_model(model: nn.Module, *, allow_unpatched: bool = False) -> nn.Module:
+def _lm_head_dtype(model: nn.Module, lm_head_dtype: object) -> torch.dtype | None:
+    """The validated ``lm_head_dtype`` of :func:`patch_hf_model`: None (the LM head emits the
+    weight's dtype, like every other linear) or ``torch.float32`` (fp32 logits, no 16-bit rounding);
+    the weight's own dtype is the same as None."""
+    if lm_head_dtype is None:
+        return None
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"patch_hf_model: lm_head_dtype={lm_head_dtype!r} needs a model with an lm_head "
+            f"(Qwen3ForCausalLM / LlamaForCausalLM), got {type(model).__qualname__}"
+        )
+    if lm_head_dtype is head.weight.dtype:
+        return None
+    if lm_head_dtype is not torch.float32 or head.weight.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            "patch_hf_model: lm_head_dtype must be None (logits in the weight's dtype), the weight's "
+            f"dtype ({head.weight.dtype}) or torch.float32 (fp32 logits of a float16/bfloat16 model), "
+            f"got {lm_head_dtype!r}"
+        )
+    return torch.float32
+
+
+def patched_lm_head_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the logits of a model patched by :func:`patch_hf_model`: ``torch.float32``
+    when it was patched with ``lm_head_dtype=torch.float32``, else the LM head weight's dtype;
+    None for a model that is not patched or has no LM head. Pass it as ``logits_dtype`` of
+    ``rlkernel.linear_token_logprobs(..., invariant=True)`` to reproduce its log-probs."""
+    state = getattr(model, _STATE, None)
+    head = getattr(model, "lm_head", None)
+    if state is None or not isinstance(head, nn.Linear):
+        return None
+    return state.get("lm_head_dtype") or head.weight.dtype
+
+
+def patch_hf_model(
+    model: nn.Module, *, allow_unpatched: bool = False, lm_head_dtype: torch.dtype | None = None
+) -> nn.Module:
     """Make an HF Qwen3/Llama model run its linears, RMSNorms and attention on the invariant kernels.
 
     After patching, every token's logits are bitwise independent of the batch it is computed in:
@@ -194,9 +243,16 @@ def patch_hf_model(model: nn.Module, *, allow_unpatched: bool = False) -> nn.Mod
         allow_unpatched: leave the modules described above as they are (a ``UserWarning`` names
             them) and patch the rest. The model then computes what it computed before in those
             modules, and its logits are batch invariant only if they are.
+        lm_head_dtype: None (default): the LM head emits logits in its weight's dtype (bf16 logits
+            for a bf16 model, one rounding of the fp32 accumulator, as HF's ``nn.Linear`` does);
+            ``torch.float32`` (float16/bfloat16 models): the LM head emits the fp32 accumulator
+            itself (no 16-bit rounding: more accurate sampling and log-probs, twice the logits'
+            memory). ``rlkernel.linear_token_logprobs(..., invariant=True, logits_dtype=...)``
+            with the same dtype reproduces the log-probs of either bit for bit from the hidden states.
 
     Returns:
-        ``model`` itself, patched in place. Patching a patched model again is a no-op.
+        ``model`` itself, patched in place. Patching a patched model again (with the same
+        ``lm_head_dtype``) is a no-op.
 
     Raises:
         TypeError: ``model`` is not one of the supported architectures.
@@ -204,9 +260,19 @@ def patch_hf_model(model: nn.Module, *, allow_unpatched: bool = False) -> nn.Mod
             one), or a module inside ``model`` is already patched by a ``patch_hf_model`` call on a
             submodule (e.g. ``model.model``) or on a model sharing it: patch one level only, so that
             :func:`unpatch_hf_model` can restore it exactly. Nothing is changed when it raises.
+            Also: ``lm_head_dtype`` not None / the weight's dtype / ``torch.float32`` (for a 16-bit
+            model), given for a model without an LM head or whose LM head stays unpatched, or
+            different from the one a patched model was patched with.
     """
     _check_model(model, "patch_hf_model")
+    head_dtype = _lm_head_dtype(model, lm_head_dtype)
     if is_patched(model):
+        had = getattr(model, _STATE).get("lm_head_dtype")
+        if had is not head_dtype:
+            raise ValueError(
+                f"patch_hf_model: the model is already patched with lm_head_dtype={had}, asked for "
+                f"{lm_head_dtype}; unpatch_hf_model it first"
+            )
         return model
     nested = _patched_inside(model)
     if nested:
@@ -217,6 +283,13 @@ def patch_hf_model(model: nn.Module, *, allow_unpatched: bool = False) -> nn.Mod
             "so that unpatch_hf_model can restore the original model exactly"
         )
     swaps, unsupported = _plan(model)
+    if head_dtype is not None:
+        if not any(module is model.lm_head for module, _ in swaps):
+            raise ValueError(
+                "patch_hf_model: lm_head_dtype needs the lm_head patched, but it has a forward of its "
+                "own (see allow_unpatched)"
+            )
+        swaps = [(m, _invariant_fp32_logits_forward if m is model.lm_head else f) for m, f in swaps]
     if unsupported:
         listed = "; ".join(unsupported)
         if not allow_unpatched:
@@ -238,7 +311,10 @@ def patch_hf_model(model: nn.Module, *, allow_unpatched: bool = False) -> nn.Mod
     configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
     # (config, its attention implementation before patching): a list of pairs, not a dict keyed by
     # id(), so that a deepcopy of the patched model carries a state that still matches its configs.
-    state = {"attn": [(cfg, cfg._attn_implementation) for cfg in configs.values()]}
+    state = {
+        "attn": [(cfg, cfg._attn_implementation) for cfg in configs.values()],
+        "lm_head_dtype": head_dtype,
+    }
     for module, forward in swaps:
         module.__class__ = _swapped_class(type(module), forward)
     _set_attn_implementation(model, name)

@@ -75,8 +75,12 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def tma_possible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the TMA kernel can run this product (any TMA config)."""
-    if a.element_size() != 2 or not mt.tma_api_available() or not _tma_supported(a.device):
+    """Whether the TMA kernel can run this product (any TMA config). An output dtype other than
+    the operands' (fp32 logits from bf16 operands) runs the pointer kernel: the TMA configurations'
+    epilogue tile was sized (and its shared memory measured) for 16-bit outputs."""
+    if a.element_size() != 2 or out.dtype != a.dtype:
+        return False
+    if not mt.tma_api_available() or not _tma_supported(a.device):
         return False
     b_nk = b.t()  # [N, K]: K-major weight, or [K, N] row-major b
     return _aligned(a) and _aligned(out) and (_aligned(b_nk) or _aligned(b))
@@ -324,16 +328,17 @@ def linear_forward(
     *,
     table: str = "tuned",
     thresholds: MatmulThresholds = DEFAULT_THRESHOLDS,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x [..., K] @ weight[N, K].T (+ bias [N])`` as a new ``[..., N]`` tensor in x's dtype: the
-    forward of ``rlkernel.invariant.linear`` with the fewest host operations for decode-sized calls
-    (no reshape or transpose views: the kernel reads ``weight``'s strides as the K-major ``b``, and
-    a contiguous ``x`` is read as ``[M, K]`` rows). Same configuration table, same bits as
-    ``matmul(x.reshape(M, K), weight.t(), bias=bias)``. Inputs are validated by the caller;
-    ``table``/``thresholds`` as in :func:`matmul`."""
+    """``x [..., K] @ weight[N, K].T (+ bias [N])`` as a new ``[..., N]`` tensor in ``out_dtype``
+    (None: x's dtype): the forward of ``rlkernel.invariant.linear`` with the fewest host operations
+    for decode-sized calls (no reshape or transpose views: the kernel reads ``weight``'s strides as
+    the K-major ``b``, and a contiguous ``x`` is read as ``[M, K]`` rows). Same configuration
+    table, same bits as ``matmul(x.reshape(M, K), weight.t(), bias=bias, out_dtype=out_dtype)``.
+    Inputs are validated by the caller; ``table``/``thresholds`` as in :func:`matmul`."""
     k = x.shape[-1]
     n = weight.shape[0]
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    out = torch.empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype, device=x.device)
     if x.dim() == 2:
         (sa0, sa1), m = x.stride(), x.shape[0]
     elif x.is_contiguous():
@@ -404,11 +409,30 @@ def matmul(
     config: MatmulConfig | None = None,
     table: str = "tuned",
     thresholds: MatmulThresholds = DEFAULT_THRESHOLDS,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Allocating: ``a [M, K] @ b [K, N] (+ bias [N])`` as a new contiguous ``[M, N]`` tensor in
-    ``a``'s dtype. Operands may have any strides (``b = weight.t()`` for ``linear``). ``table``
-    (``"tuned"`` | ``"single"``) and ``thresholds``: the options ``matmul_table`` and
+    ``out_dtype`` (None: ``a``'s dtype; ``torch.float32`` keeps the fp32 accumulator of 16-bit
+    operands unrounded). Operands may have any strides (``b = weight.t()`` for ``linear``).
+    ``table`` (``"tuned"`` | ``"single"``) and ``thresholds``: the options ``matmul_table`` and
     ``matmul_thresholds`` (the caller reads them; unverified GPU models run "single")."""
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
     _matmul(a, b, out, bias=bias, config=config, table=table, thresholds=thresholds)
     return out
+
+
+def matmul_into(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    table: str = "tuned",
+    thresholds: MatmulThresholds = DEFAULT_THRESHOLDS,
+) -> None:
+    """Out-variant of :func:`matmul`: fills ``out [M, N]`` (any strides, fp16/bf16/fp32: the
+    accumulator is rounded once to its dtype) with ``a [M, K] @ b [K, N] (+ bias [N])``. The same
+    configuration choice and so the same bits per row as :func:`matmul` and :func:`linear_forward`
+    (the fused LM head of ``rlkernel.linear_token_logprobs(..., invariant=True)`` writes its chunk
+    logits here)."""
+    _matmul(a, b, out, bias=bias, table=table, thresholds=thresholds)

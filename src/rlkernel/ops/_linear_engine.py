@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from rlkernel._options import DEFAULTS, DweightAccum, LogitsDtype, Options
+from rlkernel._options import DEFAULTS, DweightAccum, LogitsDtype, MatmulThresholds, Options
 from rlkernel.kernels import logprobs as lk
 
 # Row counts are the largest powers of two whose chunk (group) fits the option's byte budget, within
@@ -43,6 +43,14 @@ class EngineSettings:
             ``linear_dweight_accum``, ``linear_chunk_bytes``, ``linear_grad_bytes``.
         grad_enabled: whether the fused loss computes gradients (``torch.is_grad_enabled()`` at the
             call; the primitive's backward ignores it).
+        invariant: the chunk logits come from the batch-invariant GEMM
+            (:func:`rlkernel.kernels.matmul.matmul_into`, the kernel of a patched model's LM head)
+            in ``logits_dtype`` (``"input"``: rounded to the input dtype as that LM head's output;
+            ``"fp32"``: its fp32 accumulator), instead of cuBLAS.
+        matmul_table, matmul_thresholds: the options of the invariant GEMM (read with the others).
+        compact: padding compaction (the primitive): only the rows whose id is not
+            ``ignore_index`` are staged and projected (one host sync for their count); their
+            results are scattered back, the others get logp = entropy = dhidden = 0.
     """
 
     chunk_rows: int | None = None
@@ -52,6 +60,10 @@ class EngineSettings:
     chunk_bytes: int = DEFAULTS.linear_chunk_bytes
     grad_bytes: int = DEFAULTS.linear_grad_bytes
     grad_enabled: bool = True
+    invariant: bool = False
+    matmul_table: str = DEFAULTS.matmul_table
+    matmul_thresholds: MatmulThresholds = DEFAULTS.matmul_thresholds
+    compact: bool = True
 
     @classmethod
     def from_options(
@@ -63,13 +75,18 @@ class EngineSettings:
         logits_dtype: LogitsDtype | None = None,
         dweight_accum: DweightAccum | None = None,
         grad_enabled: bool = True,
+        invariant: bool = False,
+        compact: bool = True,
     ) -> EngineSettings:
-        """The settings of one call: explicit arguments, else the options (validated).
+        """The settings of one call: explicit arguments, else the options (validated). With
+        ``invariant`` a ``logits_dtype`` of None means ``"input"`` (the logits of a default
+        patched LM head), not the option ``linear_logits_dtype``.
 
         Raises:
             ValueError: a bad ``chunk_rows``/``grad_rows``/``logits_dtype``/``dweight_accum``.
         """
-        logits_dtype = options.linear_logits_dtype if logits_dtype is None else logits_dtype
+        if logits_dtype is None:
+            logits_dtype = "input" if invariant else options.linear_logits_dtype
         dweight_accum = options.linear_dweight_accum if dweight_accum is None else dweight_accum
         if logits_dtype not in ("fp32", "input"):
             raise ValueError(f"logits_dtype must be 'fp32' or 'input', got {logits_dtype!r}")
@@ -86,6 +103,10 @@ class EngineSettings:
             options.linear_chunk_bytes,
             options.linear_grad_bytes,
             grad_enabled,
+            bool(invariant),
+            options.matmul_table,
+            options.matmul_thresholds,
+            bool(compact),
         )
 
 
@@ -142,17 +163,31 @@ class _Engine:
     *chunks* of ``c`` rows (the logits GEMM's M: the unit of row invariance). ``cg`` is a multiple
     of ``c``. Group buffers: hidden rows ``[cg, H]`` and the gradient ``[cg, V]`` (input dtype); the
     fp32 logits of one chunk ``[c, V]`` (bf16 logits live in the gradient buffer, in place).
+
+    ``row_index`` (padding compaction): the int64 indices of the rows to process (the active ones,
+    in order); the engine's rows are then those rows only, numbered ``0 … n − 1`` in that order
+    (``groups()`` slices them), gathered into the staging buffer and scattered back into
+    ``dhidden`` by ``group_grads``. None: every row, in place.
     """
 
-    def __init__(self, hidden, weight, bias, ids, temperature, ignore_index, settings: EngineSettings):
-        self.h, self.w, self.ids = hidden, weight, ids
+    def __init__(
+        self, hidden, weight, bias, ids, temperature, ignore_index, settings: EngineSettings, row_index=None
+    ):
+        self.h, self.w = hidden, weight
+        self.idx = row_index
+        self.ids = ids if row_index is None else ids.index_select(0, row_index)
         self.t, self.ii = float(temperature), int(ignore_index)
         self.n, self.hdim = hidden.shape
+        if row_index is not None:
+            self.n = row_index.numel()
         self.v = weight.shape[0]
         dev, dt = hidden.device, hidden.dtype
         self.w32 = None
+        self.inv = settings if settings.invariant else None
         zdt = dt
-        if dt in (torch.float16, torch.bfloat16) and settings.logits_dtype == "fp32":
+        if self.inv is not None:  # the invariant kernel writes fp32 or 16-bit outputs on any device
+            zdt = torch.float32 if settings.logits_dtype == "fp32" else dt
+        elif dt in (torch.float16, torch.bfloat16) and settings.logits_dtype == "fp32":
             if dev.type != "cuda":
                 # CPU (interpreter tests): no mm(out_dtype=...) there; an fp32 weight copy per call.
                 zdt, self.w32 = torch.float32, weight.float()
@@ -166,8 +201,10 @@ class _Engine:
         self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)
         self.zbuf = None if zdt == dt else torch.empty(self.c, self.v, dtype=zdt, device=dev)
         self.idbuf = torch.full((self.cg,), self.ii, dtype=torch.int64, device=dev)
-        self.bias_z = None if bias is None else bias.to(zdt)
-        self.active = ids != self.ii
+        # The invariant GEMM adds the bias (in its own dtype) to the fp32 accumulator before the
+        # one rounding, as the patched LM head does; cuBLAS chunks add it after, in zdt.
+        self.bias, self.bias_z = bias, None if bias is None else bias.to(zdt)
+        self.active = self.ids != self.ii
         self.dw_started = False
 
     def groups(self):
@@ -180,18 +217,36 @@ class _Engine:
         n = rows.stop - rows.start
         m = -(-n // self.c) * self.c
         hb = self.hbuf
-        hb[:n].copy_(self.h[rows])
+        if self.idx is None:
+            hb[:n].copy_(self.h[rows])
+        else:
+            torch.index_select(self.h, 0, self.idx[rows], out=hb[:n])
         hb[:n].masked_fill_(~self.active[rows, None], 0)
         hb[n:m].zero_()
         self.idbuf[:n].copy_(self.ids[rows])
         self.idbuf[n:m].fill_(self.ii)
         return n, m
 
-    def chunk(self, k: int) -> tuple[slice, torch.Tensor]:
-        """Logits of chunk k of the staged group (always ``c`` rows: row invariance)."""
+    def chunk(self, k: int, n: int) -> tuple[slice, torch.Tensor]:
+        """Logits of chunk k of the staged group, whose first ``n`` rows are real (always ``c``
+        rows through cuBLAS: row invariance; the invariant GEMM is row invariant at any M, so it
+        computes the real rows only, and the pad rows, ignored, are never read)."""
         sl = slice(k * self.c, (k + 1) * self.c)
         hb = self.hbuf[sl]
         z = self.g[sl] if self.zbuf is None else self.zbuf
+        if self.inv is not None:
+            from rlkernel.kernels import matmul as mk  # imports the GEMM kernels on first use
+
+            cnt = min(self.c, n - k * self.c)
+            mk.matmul_into(
+                hb[:cnt],
+                self.w.t(),
+                z[:cnt],
+                bias=self.bias,
+                table=self.inv.matmul_table,
+                thresholds=self.inv.matmul_thresholds,
+            )
+            return sl, z
         if self.w32 is not None:
             torch.mm(hb.float(), self.w32.t(), out=z)
         elif z.dtype != hb.dtype:
@@ -219,7 +274,9 @@ class _Engine:
         """dhidden rows, dweight and dbias contributions of the staged group (first m rows)."""
         g, hb = self.g[:m], self.hbuf[:m]
         if dh is not None:
-            if n == m:
+            if self.idx is not None:  # scattered back to the rows' places (the others stay 0)
+                dh.index_copy_(0, self.idx[rows], torch.mm(g, self.w)[:n])
+            elif n == m:
                 torch.mm(g, self.w, out=dh[rows])
             else:
                 dh[rows] = torch.mm(g, self.w)[:n]

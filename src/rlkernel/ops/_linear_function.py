@@ -49,10 +49,29 @@ N if the last chunk were shorter. Every logits GEMM therefore has exactly ``C`` 
 same offset of the same kind of staging buffer: the tail is zero-padded (pad rows get
 ``ignore_index`` ids, hence zero gradient), and C (``_linear_engine.chunk_rows_for``) and G
 (``grad_rows_for``) depend only on V and the dtypes, never on N; a row's chunk position (row
-mod G) is fixed by its index. The log-softmax kernels are row-invariant already. Cost: up to C − 1
-padded rows of logits GEMM per call (nothing at N ≫ C; a whole C-row GEMM for a decode-sized N),
-plus one N·H staging copy. The staging also zeroes ignored rows, so garbage (NaN) hidden states at
-ignored positions reach neither dweight nor dbias (as in the reference).
+mod G; with padding compaction, its rank among the active rows mod G) is fixed by its index. The
+log-softmax kernels are row-invariant already. Cost: up to C − 1 padded rows of logits GEMM per
+call (nothing at N ≫ C; a whole C-row GEMM for a decode-sized N), plus one N·H staging copy. The
+staging also zeroes ignored rows, so garbage (NaN) hidden states at ignored positions reach
+neither dweight nor dbias (as in the reference).
+
+Padding compaction (the primitive; ``compact=True``, the default). Rows with ``ignore_index`` ids
+are not staged: the active rows are gathered (``index_select``) into the staging buffer, packed,
+so every GEMM runs over active rows only, and the results are scattered back (``index_copy``;
+ignored rows: logp = entropy = 0, dhidden rows exactly 0, nothing in dweight/dbias). One host sync
+per call (``nonzero``: the active count sizes the host loop). A compacted row sits at another
+position of its chunk than uncompacted: no bit changes with the invariant GEMM; with cuBLAS none
+as long as it computes every row of a fixed-shape GEMM alike (checked at real size by
+tests/gpu/test_linear_invariant.py). The fused loss is not compacted: its ``coef_fn`` takes
+contiguous row ranges (the token-loss plan is indexed by range).
+
+Invariant mode (``invariant_logits``: ``linear_token_logprobs(..., invariant=True)``). The chunk
+logits come from the batch-invariant GEMM (``kernels.matmul.matmul_into``: the kernel, the
+configuration table and the bias-before-rounding of a patched model's LM head) in that LM head's
+output dtype, so each row's logits, and then its log-probs from the same log-softmax kernel as
+``token_logprobs``, are those of the patched LM head bit for bit. That GEMM is row invariant at
+any M, so a chunk's GEMM covers its real rows only (the pad rows are ignored and never read).
+Backward as above (cuBLAS, at the logits the forward used).
 
 Memory model (b = 4 for fp32 chunk logits, 2 for bf16):
 
@@ -149,24 +168,29 @@ class _LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, return_entropy, settings):
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings)
+        idx = _active_rows(ids, ignore_index) if settings.compact else None
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings, idx)
         dev = hidden.device
+        # Per-row results in the engine's row order (the active rows only, when compacted).
         logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
         lse = torch.empty(eng.n, dtype=torch.float32, device=dev)
         entropy = torch.empty(eng.n if return_entropy else 0, dtype=torch.float32, device=dev)
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k in range(m // eng.c):
-                sl, z = eng.chunk(k)
+                sl, z = eng.chunk(k, n)
                 lp, en, ls = eng.stats(sl, z, return_entropy)
                 r = slice(rows.start + sl.start, min(rows.start + sl.stop, rows.stop))
                 cnt = r.stop - r.start
                 logp[r], lse[r] = lp[:cnt], ls[:cnt]
                 if en is not None:
                     entropy[r] = en[:cnt]
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, idx)
         ctx.args = (temperature, ignore_index, return_entropy, settings)
         ctx.set_materialize_grads(False)
+        if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
+            logp = _scatter(logp, idx, ids.numel())
+            entropy = _scatter(entropy, idx, ids.numel()) if return_entropy else entropy
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -174,7 +198,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, ids, lse, entropy, idx = ctx.saved_tensors
         temperature, ignore_index, return_entropy, settings = ctx.args
         none = (None,) * 8
         if not return_entropy:
@@ -182,17 +206,21 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
             return none
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings)
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings, idx)
         gl = None if g_logp is None else g_logp.reshape(-1).to(torch.float32)
         ge = None if g_ent is None else g_ent.reshape(-1).to(torch.float32)
-        dh = torch.empty_like(hidden) if need_h else None
+        if idx is not None:  # the active rows' upstream gradients, in the engine's order
+            gl = None if gl is None else gl.index_select(0, idx)
+            ge = None if ge is None else ge.index_select(0, idx)
+        # Compacted: the ignored rows are never projected, their dhidden rows stay exactly 0.
+        dh = (torch.zeros_like(hidden) if idx is not None else torch.empty_like(hidden)) if need_h else None
         dw = _dweight_buffer(weight, settings.dweight_accum) if need_w else None
         db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         c = eng.c
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k in range(m // c):
-                sl, z = eng.chunk(k)
+                sl, z = eng.chunk(k, n)
                 start, cnt = rows.start + sl.start, min(c, n - sl.start)
                 ent_c = _padded(entropy, c, start, cnt) if ge is not None else None
                 eng.chunk_grad(
@@ -210,6 +238,37 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         dw = _finish_dweight(dw, weight.dtype, None)
         db = None if db is None else db.to(bias.dtype)
         return dh, dw, db, None, None, None, None, None
+
+
+def _active_rows(ids: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The indices of the rows whose id is not ``ignore_index`` (int64, increasing), or None when
+    every row is active (nothing to compact). One host sync (the count sizes the row loop)."""
+    idx = (ids != ignore_index).nonzero().squeeze(1)
+    return None if idx.numel() == ids.numel() else idx
+
+
+def _scatter(x: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` zeros with ``x[i]`` at position ``idx[i]``."""
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_copy_(0, idx, x)
+
+
+def _settings(
+    chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, grad_enabled=True, compact=True
+):
+    """The call's :class:`EngineSettings` (options read once, here). ``invariant_logits``, the
+    dtype of the patched LM head's logits, decides the chunk logits' dtype: fp32 or the input's."""
+    if invariant_logits is not None:
+        logits_dtype = "fp32" if invariant_logits == torch.float32 else "input"
+    return EngineSettings.from_options(
+        current_options(),
+        chunk_rows=chunk_rows,
+        grad_rows=grad_rows,
+        logits_dtype=logits_dtype,
+        dweight_accum=dweight_accum,
+        grad_enabled=grad_enabled,
+        invariant=invariant_logits is not None,
+        compact=compact,
+    )
 
 
 def _flatten(hidden, token_ids):
@@ -230,6 +289,8 @@ def linear_token_logprobs_triton(
     grad_rows: int | None = None,
     logits_dtype: LogitsDtype | None = None,
     dweight_accum: DweightAccum | None = None,
+    invariant_logits: torch.dtype | None = None,
+    compact: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``rlkernel.linear_token_logprobs`` through the chunk engine (inputs already validated).
 
@@ -244,18 +305,25 @@ def linear_token_logprobs_triton(
             ``linear_logits_dtype``.
         dweight_accum: ``"fp32"`` accumulator across chunks or ``"weight"`` (the weight's dtype);
             None: the option ``linear_dweight_accum``.
+        invariant_logits: None, or the dtype of the logits of a patched model's LM head (the input
+            dtype, or ``torch.float32``): each chunk's logits come from the batch-invariant GEMM in
+            that dtype (``logits_dtype`` is then ignored), so every logp/entropy is bitwise
+            ``token_logprobs`` of that LM head's logits, whatever the other rows and ``chunk_rows``.
+        compact: padding compaction: the rows with ``ignore_index`` ids are neither staged nor
+            projected (the GEMMs run over the active rows only, packed; one host sync for their
+            count); their logp/entropy are 0 and their dhidden rows exactly 0. ``False`` (tests):
+            every row is projected. The active rows' logp/entropy are the same either way:
+            bitwise with ``invariant_logits`` (a row-invariant GEMM), and with cuBLAS as far as a
+            row's bits do not depend on its row position inside the fixed-shape chunk GEMM
+            (tests/gpu/test_linear_invariant.py checks it at real size).
 
     The options in force (``rlkernel.use_options``) are read once, here.
 
     Returns:
         fp32 ``logp [...]``, or ``(logp, entropy)``.
     """
-    settings = EngineSettings.from_options(
-        current_options(),
-        chunk_rows=chunk_rows,
-        grad_rows=grad_rows,
-        logits_dtype=logits_dtype,
-        dweight_accum=dweight_accum,
+    settings = _settings(
+        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, compact=compact
     )
     if hidden.dtype == torch.float64:  # no fp64 kernel (fp32 statistics): the reference, in double
         from rlkernel.reference import logprobs as ref
@@ -268,6 +336,7 @@ def linear_token_logprobs_triton(
             temperature=temperature,
             ignore_index=ignore_index,
             return_entropy=return_entropy,
+            invariant_logits=invariant_logits,
         )
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)
@@ -302,7 +371,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k in range(m // c):
-                sl, z = eng.chunk(k)
+                sl, z = eng.chunk(k, n)
                 lp, en, ls = eng.stats(sl, z, with_entropy)
                 start, cnt = rows.start + sl.start, min(c, n - sl.start)
                 r = slice(start, start + cnt)
@@ -373,6 +442,7 @@ def fused_linear_token_loss(
     grad_rows: int | None = None,
     logits_dtype: LogitsDtype | None = None,
     dweight_accum: DweightAccum | None = None,
+    invariant_logits: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """A token-level loss from hidden states with its gradient computed in the forward pass.
 
@@ -394,7 +464,8 @@ def fused_linear_token_loss(
         hidden ``[..., H]``, weight ``[V, H]``, bias ``[V]`` or None: fp16/bf16/fp32, one dtype (the
             caller validates shapes and ids, as the public ops do; fp64 has no kernel: TypeError).
         token_ids: ``[...]`` integer ids, ``ignore_index`` at positions outside the loss.
-        chunk_rows, grad_rows, logits_dtype, dweight_accum: as in :func:`linear_token_logprobs_triton`.
+        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits: as in
+            :func:`linear_token_logprobs_triton`.
 
     Raises:
         TypeError: fp64 (or non-float) inputs, or weight/hidden dtypes that differ.
@@ -405,13 +476,8 @@ def fused_linear_token_loss(
             f"fused_linear_token_loss takes fp16/bf16/fp32 hidden and weight of one dtype, got hidden "
             f"{hidden.dtype} and weight {weight.dtype} (fp64 has no kernel: use the reference path)"
         )
-    settings = EngineSettings.from_options(
-        current_options(),
-        chunk_rows=chunk_rows,
-        grad_rows=grad_rows,
-        logits_dtype=logits_dtype,
-        dweight_accum=dweight_accum,
-        grad_enabled=torch.is_grad_enabled(),
+    settings = _settings(
+        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, torch.is_grad_enabled()
     )
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)

@@ -139,6 +139,8 @@ def linear_token_logprobs(
     return_entropy: bool = False,
     tp_group: object | None = None,
     validate: bool = True,
+    invariant: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities (and entropy) straight from hidden states and the LM head.
 
@@ -146,6 +148,14 @@ def linear_token_logprobs(
     fp32, but the ``[N, V]`` logits never exist at once: they are produced one bounded chunk of rows
     at a time (see :func:`rlkernel.reference.logprobs.chunk_rows_for`) in forward and recomputed in
     backward.
+
+    With ``invariant=True`` the result is bitwise ``token_logprobs(lm_head(hidden), token_ids, ...)``
+    (same temperature; the entropy too) for the LM head of a model patched by
+    ``rlkernel.invariant.patch_hf_model``: each chunk's logits come from the same batch-invariant
+    GEMM as that LM head (same kernel and configuration table, same rounding to ``logits_dtype``),
+    and the log-softmax is ``token_logprobs``'s own. A row's result depends on nothing but that
+    row, so the log-probs a rollout engine got from the patched model at any decode batch size are
+    reproduced exactly, without materializing the logits.
 
     Args:
         hidden: ``[..., H]`` float, the policy's last hidden states.
@@ -158,10 +168,24 @@ def linear_token_logprobs(
             vocabulary shard, shards in rank order, uneven sizes allowed; ``hidden`` and
             ``token_ids`` are replicated. Every rank gets the full-vocabulary logp/entropy. See
             :func:`rlkernel.distributed.vocab_parallel_linear_token_logprobs`.
+        invariant: reproduce a patched LM head's log-probs bit for bit (above). The backward is
+            the usual one (fp32 accumulation, deterministic, not batch invariant), at the logits
+            the forward used. Not with ``tp_group``.
+        logits_dtype: with ``invariant=True`` only: the dtype of the patched LM head's logits.
+            None or ``hidden.dtype``: ``patch_hf_model(model)`` (bf16 logits for a bf16 model);
+            ``torch.float32``: ``patch_hf_model(model, lm_head_dtype=torch.float32)``. (Without
+            ``invariant`` the chunk logits' dtype is the option ``linear_logits_dtype``.)
 
     Returns:
         ``logp`` float32 ``[...]``, or ``(logp, entropy)``; float64 for float64 inputs.
+
+    Raises:
+        TypeError: as :func:`token_logprobs`; ``weight`` (or, with ``invariant``, ``bias``) of
+            another dtype than ``hidden``; ``invariant`` not a bool.
+        ValueError: as :func:`token_logprobs`; ``weight``/``bias`` shapes; ``invariant`` with
+            ``tp_group``; ``logits_dtype`` without ``invariant`` or not one of the above.
     """
+    inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
     if tp_group is not None:
         # Vocab-parallel: every local check, the shard layout and the id range (of the *global*
         # vocabulary) are validated there across ranks, so that every rank raises the same error
@@ -185,8 +209,55 @@ def linear_token_logprobs(
         id_checks.check_token_ids("token_ids", ids, weight.shape[0], ignore_index, defer=backend == "triton")
     return linear_token_logprobs_checked(
         hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=return_entropy,
+        return_entropy=return_entropy, invariant_logits=inv_dtype,
     )  # fmt: skip
+
+
+def invariant_logits_dtype(
+    invariant: object,
+    logits_dtype: object,
+    hidden: object,
+    bias: object = None,
+    tp_group: object = None,
+) -> torch.dtype | None:
+    """The checked ``invariant``/``logits_dtype`` pair of the linear path: None (not invariant),
+    or the dtype of the patched LM head's logits to reproduce (``hidden``'s, or ``torch.float32``).
+
+    Raises:
+        TypeError: ``invariant`` not a bool; with ``invariant``, a ``bias`` of another dtype than
+            ``hidden`` (the patched LM head takes no such bias).
+        ValueError: ``logits_dtype`` without ``invariant``, or not None / ``hidden.dtype`` /
+            ``torch.float32`` (the latter for float16/bfloat16/float32 hidden states);
+            ``invariant`` with ``tp_group``.
+    """
+    check.boolean("invariant", invariant)
+    if not invariant:
+        if logits_dtype is not None:
+            raise ValueError(
+                f"logits_dtype applies with invariant=True only, got logits_dtype={logits_dtype!r} "
+                "(the non-invariant path's chunk logits dtype is the option linear_logits_dtype)"
+            )
+        return None
+    if tp_group is not None:
+        raise ValueError(
+            "invariant=True is not supported with tp_group: the patched LM head is one unsharded "
+            "GEMM, and a vocabulary-sharded log-softmax sums in another order"
+        )
+    check.float_tensor("hidden", hidden, min_dim=1)
+    dtype = hidden.dtype if logits_dtype is None else logits_dtype
+    half_or_fp32 = hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if dtype is not hidden.dtype and not (dtype is torch.float32 and half_or_fp32):
+        raise ValueError(
+            "logits_dtype must be None or hidden.dtype (the logits of patch_hf_model(model)) or "
+            "torch.float32 (patch_hf_model(model, lm_head_dtype=torch.float32)) for float16/"
+            f"bfloat16/float32 hidden states; got {logits_dtype!r} with hidden {hidden.dtype}"
+        )
+    if isinstance(bias, torch.Tensor) and bias.dtype != hidden.dtype:
+        raise TypeError(
+            f"with invariant=True, bias dtype {bias.dtype} must match hidden dtype {hidden.dtype} "
+            "(as the patched LM head requires)"
+        )
+    return dtype
 
 
 def linear_token_logprobs_checked(
@@ -198,16 +269,18 @@ def linear_token_logprobs_checked(
     temperature: float,
     ignore_index: int,
     return_entropy: bool,
+    invariant_logits: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`linear_token_logprobs` (single GPU) on inputs :func:`check_linear_inputs` already
-    passed: dispatch to the Triton chunk engine or the reference."""
+    passed: dispatch to the Triton chunk engine or the reference. ``invariant_logits``: the
+    checked :func:`invariant_logits_dtype` (None: not invariant)."""
     backend = _dispatch.resolve_backend(hidden.device, has_kernel=_linear_kernel_available(hidden.dtype))
     if backend == "triton":
         from rlkernel.ops._linear_function import linear_token_logprobs_triton
 
         return linear_token_logprobs_triton(
             hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
-            return_entropy=return_entropy,
+            return_entropy=return_entropy, invariant_logits=invariant_logits,
         )  # fmt: skip
     return ref.linear_token_logprobs(
         hidden,
@@ -217,4 +290,5 @@ def linear_token_logprobs_checked(
         temperature=temperature,
         ignore_index=ignore_index,
         return_entropy=return_entropy,
+        invariant_logits=invariant_logits,
     )

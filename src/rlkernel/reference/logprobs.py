@@ -19,7 +19,14 @@ Caveats:
     * ``linear_token_logprobs`` bounds the logits to one chunk of rows at a time in forward and
       backward (it recomputes the chunk's logits in backward). For bf16/fp16 weights it upcasts the
       weight once per call to fp32, an O(V·H) temporary, so that the logits are exact fp32 products
-      rather than half-precision roundings.
+      rather than half-precision roundings. With ``invariant_logits`` it computes each chunk's
+      logits with the batch-invariant row-by-row GEMM of :mod:`rlkernel.reference.matmul` instead
+      (what a patched model's LM head runs on the CPU) and its log-probs with
+      :func:`token_logprobs` itself, so that they are bitwise those of the patched model's logits.
+    * Row invariance on the CPU holds per row of a multi-row call and between single-row calls:
+      for V > 32,768 and several threads, ATen splits the entropy's sum over V of a *single* row
+      across threads (a different order than the same row in a batch), so the entropy of a
+      one-row call can differ in its last bits from that row's entropy in a batch (logp does not).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from rlkernel._autocast import without_autocast
+from rlkernel.reference import matmul as ref_matmul
 
 # One chunk of fp32 logits is at most this many bytes (see ``chunk_rows_for``).
 CHUNK_BYTES = 64 * 2**20
@@ -123,15 +131,25 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
     """Chunked ``hidden @ weight.T + bias`` → logp/entropy; backward recomputes each chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, active, temperature, chunk_rows, return_entropy):
+    def forward(ctx, hidden, weight, bias, ids, active, temperature, chunk_rows, return_entropy, inv_dtype):
         n = hidden.shape[0]
         acc = acc_dtype(hidden)
-        weight_f = weight.to(acc)
-        bias_f = None if bias is None else bias.to(acc)
+        weight_f = weight.to(acc) if inv_dtype is None else None
+        bias_f = None if bias is None or inv_dtype is not None else bias.to(acc)
         logp = torch.zeros(n, dtype=acc, device=hidden.device)
         entropy = torch.zeros(n, dtype=acc, device=hidden.device)
         for start in range(0, n, chunk_rows):
             rows = slice(start, min(start + chunk_rows, n))
+            if inv_dtype is not None:
+                # The patched LM head's logits (the same per-row GEMM), then token_logprobs itself:
+                # every row's bits are those of token_logprobs(patched lm_head(hidden)). The ids
+                # are non-negative here (ignored rows mapped to 0, zeroed below): -1 ignores none.
+                raw = ref_matmul.linear(hidden[rows], weight, bias, out_dtype=inv_dtype)
+                out = token_logprobs(
+                    raw, ids[rows], temperature=temperature, ignore_index=-1, return_entropy=return_entropy
+                )
+                logp[rows], entropy[rows] = out if return_entropy else (out, 0.0)
+                continue
             z = chunk_logits(hidden[rows], weight_f, bias_f, temperature)
             logp_all = torch.log_softmax(z, dim=-1)
             logp[rows] = logp_all.gather(-1, ids[rows, None]).squeeze(-1)
@@ -145,6 +163,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
         ctx.return_entropy = return_entropy
+        ctx.inv_dtype = inv_dtype
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -168,7 +187,11 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         d_bias = torch.zeros_like(bias_f) if need_b else None
         for start in range(0, n, ctx.chunk_rows):
             rows = slice(start, min(start + ctx.chunk_rows, n))
-            z = chunk_logits(hidden[rows], weight_f, bias_f, ctx.temperature)
+            if ctx.inv_dtype is None:
+                z = chunk_logits(hidden[rows], weight_f, bias_f, ctx.temperature)
+            else:  # the gradient at the logits the forward used (the patched LM head's)
+                raw = ref_matmul.linear(hidden[rows], weight, bias, out_dtype=ctx.inv_dtype)
+                z = raw.to(acc) / ctx.temperature
             gz = logprob_grad_from_logits(
                 z,
                 ids[rows],
@@ -185,7 +208,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
             del z, gz
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 def chunk_logits(h: torch.Tensor, weight_f: torch.Tensor, bias_f: torch.Tensor | None, temperature: float):
@@ -206,6 +229,7 @@ def linear_token_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     chunk_rows: int | None = None,
+    invariant_logits: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """logp (and entropy) of ``token_ids`` under ``softmax((hidden @ weight.T + bias) / T)``.
 
@@ -215,8 +239,14 @@ def linear_token_logprobs(
         hidden: ``[..., H]`` float.
         weight: ``[V, H]`` float, same dtype as ``hidden``.
         token_ids: ``[...]`` integer, the leading shape of ``hidden``.
-        bias: optional ``[V]``.
+        bias: optional ``[V]`` (with ``invariant_logits``: ``hidden``'s dtype).
         chunk_rows: rows per chunk; ``None`` picks :func:`chunk_rows_for`.
+        invariant_logits: None: the logits are exact fp32 products (fp32 GEMM of the upcast
+            operands). A dtype (``hidden``'s, or ``torch.float32`` for 16-bit inputs): the logits
+            are ``rlkernel.reference.matmul.linear(hidden, weight, bias, out_dtype=...)``, the
+            batch-invariant CPU linear of a patched model's LM head, and logp/entropy are
+            :func:`token_logprobs` of them: bitwise ``token_logprobs(patched_lm_head(hidden))``
+            whatever the chunk rows. The gradient is that of the same logits (fp32 math).
 
     Returns:
         float32 ``[...]`` logp, or ``(logp, entropy)``; differentiable in hidden, weight and bias.
@@ -229,7 +259,7 @@ def linear_token_logprobs(
     h = torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
     rows = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0], h.shape[0])
     logp, entropy = _ChunkedLinearLogprobs.apply(
-        h, weight, bias, ids, active, float(temperature), int(rows), bool(return_entropy)
+        h, weight, bias, ids, active, float(temperature), int(rows), bool(return_entropy), invariant_logits
     )
     if return_entropy:
         return logp.reshape(lead), entropy.reshape(lead)

@@ -59,7 +59,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.to(a.dtype).reshape(*a.shape[:-1], b.shape[1])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp32 accumulation (bias added before the one rounding), batch
     invariant.
 
@@ -67,13 +73,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x: ``[..., K]`` float tensor.
         weight: ``[N, K]`` (as in ``nn.Linear``), ``x``'s dtype.
         bias: optional ``[N]``.
+        out_dtype: the output dtype (None: ``x``'s). ``torch.float32`` for half inputs returns the
+            fp32 accumulator itself, without the rounding to 16 bits (an LM head's fp32 logits).
 
     Returns:
-        ``[..., N]`` in ``x``'s dtype.
+        ``[..., N]`` in ``out_dtype`` (``x``'s dtype by default).
     """
     acc = _acc_dtype(x.dtype)
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).to(acc)  # rows by count: K may be 0
     out = rowwise_mm(x2, weight.to(acc).t())
     if bias is not None:
         out = out + bias.to(acc)
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -67,6 +67,7 @@ from rlkernel._options import Options, current_options
 from rlkernel.ops import id_checks
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
+    invariant_logits_dtype,
     linear_token_logprobs,
     linear_token_logprobs_checked,
     token_logprobs_checked,
@@ -155,6 +156,8 @@ def fused_policy_loss(
     cu_seqlens: torch.Tensor | None = None,
     validate: bool = True,
     inplace_backward: bool = False,
+    invariant: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> PolicyLossOutput:
     """The RL loss from logits or hidden states; same result as ``policy_loss(token_logprobs(...))``.
 
@@ -178,6 +181,10 @@ def fused_policy_loss(
         inplace_backward: logits path only: the backward writes dL/dlogits into the logits' own
             storage (see :func:`rlkernel.token_logprobs`), so the step needs no memory for the
             gradient; the logits must not be used after the backward.
+        invariant, logits_dtype: hidden path only: the log-probs (and entropy) are bitwise those
+            ``token_logprobs`` gives for the logits of the LM head of a model patched by
+            ``rlkernel.invariant.patch_hf_model`` (with ``lm_head_dtype=logits_dtype``); see
+            :func:`rlkernel.linear_token_logprobs`. Not with ``tp_group``.
 
     Returns:
         :class:`PolicyLossOutput`; the loss is differentiable in ``logits`` or ``hidden``/``weight``/
@@ -198,6 +205,9 @@ def fused_policy_loss(
     _check_source(logits, hidden, weight, bias, tp_group)
     if inplace_backward and logits is None:
         raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
+    if logits is not None and (invariant is not False or logits_dtype is not None):
+        raise ValueError("invariant and logits_dtype apply to the hidden path only (the logits are given)")
+    inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
     token_ids = check.int_tensor("token_ids", token_ids)
     batch = validate_batch(
         cfg,
@@ -239,7 +249,7 @@ def fused_policy_loss(
             check_ids()  # raises here, before any kernel reads a bad id
             check_ids = None
     out = _run(cfg, batch, (ids, active), logits, hidden, weight, bias, temperature, tp_group, validate,
-               inplace_backward, opts)  # fmt: skip
+               inplace_backward, opts, inv_dtype)  # fmt: skip
     if check_ids:
         # Queued after the loss's kernels, so its small launches do not delay them (no sync).
         check_ids()
@@ -247,8 +257,9 @@ def fused_policy_loss(
 
 
 def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_group, validate,
-         inplace_backward, opts) -> PolicyLossOutput:  # fmt: skip
-    """The path of a checked call (see the module docstring)."""
+         inplace_backward, opts, invariant_logits=None) -> PolicyLossOutput:  # fmt: skip
+    """The path of a checked call (see the module docstring). ``invariant_logits``: the checked
+    ``invariant``/``logits_dtype`` of the hidden path (``ops.logprobs.invariant_logits_dtype``)."""
     ids = masked_ids[0]
     if _token_level(batch, logits, opts) and torch.compiler.is_compiling():
         return _fused_token_level_traced(logits, masked_ids, batch, temperature)
@@ -259,14 +270,17 @@ def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_g
         return _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward)
     tp = tp_group is not None
     if not tp and _token_level_linear(batch, hidden, weight, opts):
-        return _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature)
+        inv = invariant_logits
+        return _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature, inv)
     # The entropy quantile mask reads the entropy even without an entropy term.
     want_entropy = _wants_entropy(cfg)
     common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     if logits is not None:
         out = token_logprobs_checked(logits, ids, inplace_backward=inplace_backward, **common)
     elif not tp:
-        out = linear_token_logprobs_checked(hidden, weight, ids, bias=bias, **common)
+        out = linear_token_logprobs_checked(
+            hidden, weight, ids, bias=bias, invariant_logits=invariant_logits, **common
+        )
     else:
         # The vocab-parallel primitive checks the ids against the *global* vocabulary on every rank
         # at once (a local check against this rank's shard would reject valid ids, on some ranks
@@ -357,7 +371,7 @@ def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace
     return PolicyLossOutput(loss, compute_metrics=lambda: composed[0].metrics)
 
 
-def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature):
+def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature, invariant_logits=None):
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
@@ -372,6 +386,7 @@ def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperatu
         temperature=temperature,
         ignore_index=IGNORE_INDEX,
         with_entropy=plan.want_entropy,
+        invariant_logits=invariant_logits,
     )
     entropy = outs[2] if plan.want_entropy else None
     return _output(outs[0], outs[1], entropy, batch)

@@ -1,0 +1,132 @@
+"""Padding compaction of the linear primitive (``linear_token_logprobs`` on the chunk engine): rows
+whose id is ``ignore_index`` are neither staged nor projected; the active rows are packed, their
+results scattered back.
+
+Checked in the Triton interpreter (the GPU code, with ``torch.mm`` on the CPU for the default
+path's GEMMs): the compacted and uncompacted (``compact=False``) paths agree, bitwise with
+``invariant_logits`` (our own row-invariant GEMM on both sides) and to fp32 rounding on the default
+path (its CPU GEMMs are BLAS calls whose bits may depend on a row's position, which compaction
+moves); only the active rows reach a GEMM; ignored rows, garbage included, get logp = entropy = 0
+and exactly zero dhidden, and reach neither dweight nor dbias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlkernel as rk
+from rlkernel.kernels import matmul as mk
+from rlkernel.ops import _linear_engine as engine
+from rlkernel.ops import _linear_function as lf
+
+H, V = 16, 53
+# the default path, compacted vs not: (max |Δlogp|, max ‖Δgrad‖/‖grad‖) per dtype
+TOLS = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (1e-6, 1e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _triton_small():
+    with rk.use_backend("triton"), rk.use_options(matmul_table="single"):
+        yield
+
+
+def make(n=64, dtype=torch.float32, seed=0, active_frac=0.4):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype)
+    ids = torch.randint(0, V, (n,), generator=g)
+    ids[torch.rand(n, generator=g) > active_frac] = -100  # ragged padding: ~60% ignored
+    h[ids == -100] = float("nan")  # garbage where nothing may be read
+    return h, w, b, ids
+
+
+def upstream(n):
+    g = torch.Generator().manual_seed(9)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+def run(h, w, b, ids, up=None, **kw):
+    params = [t.detach().clone().requires_grad_(True) for t in (h, w, b)]
+    gl, ge = upstream(ids.numel()) if up is None else up
+    logp, ent = lf.linear_token_logprobs_triton(
+        params[0], params[1], ids, bias=params[2], temperature=0.8, return_entropy=True,
+        chunk_rows=8, grad_rows=16, **kw,
+    )  # fmt: skip
+    grads = torch.autograd.grad((logp, ent), params, (gl, ge))
+    return logp.detach(), ent.detach(), grads
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("invariant_logits", [torch.bfloat16, torch.float32])
+def test_invariant_mode_compacted_equals_uncompacted_bitwise(invariant_logits):
+    h, w, b, ids = make(dtype=torch.bfloat16)
+    got = run(h, w, b, ids, invariant_logits=invariant_logits)
+    full = run(h, w, b, ids, invariant_logits=invariant_logits, compact=False)
+    assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
+    for a, e in zip(got[2], full[2], strict=True):
+        assert _rel(a, e) < 1e-2  # bf16 backward GEMMs over other row groupings
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_path_compacted_matches_uncompacted(dtype):
+    h, w, b, ids = make(dtype=dtype, seed=1)
+    got = run(h, w, b, ids)
+    full = run(h, w, b, ids, compact=False)
+    logp_tol, grad_tol = TOLS[dtype]
+    assert (got[0] - full[0]).abs().max() <= logp_tol and (got[1] - full[1]).abs().max() <= logp_tol
+    for a, e in zip(got[2], full[2], strict=True):
+        assert _rel(a, e) <= grad_tol
+
+
+def test_ignored_rows_are_exactly_zero_and_leak_nowhere():
+    h, w, b, ids = make(dtype=torch.float32, seed=2)
+    logp, ent, (dh, dw, db) = run(h, w, b, ids)
+    ignored = ids == -100
+    assert bool(ignored.any()) and bool((~ignored).any())
+    assert bool((logp[ignored] == 0).all()) and bool((ent[ignored] == 0).all())
+    assert bool((dh[ignored] == 0).all()) and not bool(torch.signbit(dh[ignored]).any())
+    assert bool(torch.isfinite(dh[~ignored]).all() and torch.isfinite(dw).all() and torch.isfinite(db).all())
+    assert bool((logp[~ignored] < 0).all())
+    # The reference on the active rows alone: the same per-row function (fp32, to rounding).
+    gl, ge = upstream(ids.numel())
+    want = run(h[~ignored], w, b, ids[~ignored], (gl[~ignored], ge[~ignored]), compact=False)
+    torch.testing.assert_close(logp[~ignored], want[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(dh[~ignored], want[2][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dw, want[2][1], atol=1e-6, rtol=1e-5)
+
+
+def test_only_active_rows_are_projected(monkeypatch):
+    """Forward and backward GEMM rows: the invariant GEMM sees exactly the active rows (its chunk
+    GEMMs cover the real rows only), the default path ceil(active / C) chunks instead of N / C."""
+    h, w, b, ids = make(n=64, dtype=torch.bfloat16, seed=3)
+    n_active = int((ids != -100).sum())
+    rows, chunks = [], []
+    real_mm, real_chunk = mk.matmul_into, engine._Engine.chunk
+    # seam: count the rows each GEMM projects
+    monkeypatch.setattr(mk, "matmul_into", lambda a, *x, **k: rows.append(a.shape[0]) or real_mm(a, *x, **k))
+    # seam: count the chunk GEMMs
+    monkeypatch.setattr(engine._Engine, "chunk", lambda self, *a: chunks.append(1) or real_chunk(self, *a))
+    run(h, w, b, ids, invariant_logits=torch.bfloat16)
+    assert sum(rows) == 2 * n_active  # forward, and the backward's recomputation
+    rows.clear()
+    run(h, w, b, ids, invariant_logits=torch.bfloat16, compact=False)
+    assert sum(rows) == 2 * 64
+    chunks.clear()
+    run(h, w, b, ids)
+    assert len(chunks) == 2 * -(-n_active // 8) < 2 * 64 // 8
+
+
+def test_all_rows_ignored_and_none_ignored():
+    h, w, b, ids = make(n=20, seed=4)
+    logp, ent, (dh, dw, db) = run(h, w, b, torch.full_like(ids, -100))
+    assert not bool(logp.any() or ent.any() or dh.any() or dw.any() or db.any())
+    h, w, b, ids = make(n=20, seed=5, active_frac=1.1)  # every row active: nothing to compact
+    assert bool((ids != -100).all())
+    got, full = run(h, w, b, ids), run(h, w, b, ids, compact=False)
+    assert torch.equal(got[0], full[0])
+    assert all(torch.equal(x, y) for x, y in zip(got[2], full[2], strict=True))
