@@ -43,7 +43,7 @@ STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 step_cmd() {
   case "$1" in
     pytest) echo "python3 -m pytest ${PYTEST_PATHS:-tests} -q -p no:cacheprovider ${PYTEST_ARGS:-}" ;;
-    gpu_suite) echo "OUT=$RESULTS_DIR bash scripts/gpu_suite.sh" ;;
+    gpu_suite) echo "env -u STEPS OUT=$RESULTS_DIR bash scripts/gpu_suite.sh" ;;  # its own STEPS
     consistency) echo "bash scripts/gpu_consistency.sh" ;;
     bench_*) echo "python3 -m rlkernel.bench ${1#bench_} --out $RESULTS_DIR ${BENCH_ARGS:-}" ;;
     *) echo "false unknown-step-$1" ;;

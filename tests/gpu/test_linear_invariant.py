@@ -178,9 +178,13 @@ def test_patched_qwen3_decode_equals_fused_prefill(lm_head_dtype):
         if not torch.equal(decode_logprobs(model, prompts, completions, bs), train):
             differ.append(bs)
     assert not differ, f"decode at batch sizes {differ} differs from the fused invariant prefill"
-    # The default (non-invariant) fused path is what this replaces: it does not match (a control).
-    default = fused_prefill_logprobs(model, prompts, completions, seqs, invariant=False)
-    assert not torch.equal(default, train)
+    if lm_head_dtype is None:
+        # The default (non-invariant) fused path is what this replaces: with bf16 logits on the
+        # patched side it does not match (a control: the test can fail). With fp32 logits the
+        # default path's cuBLAS fp32 GEMM gave the same bits at this shape on the H100
+        # (2026-11-24): a coincidence of reduction orders, not a contract, so no control there.
+        default = fused_prefill_logprobs(model, prompts, completions, seqs, invariant=False)
+        assert not torch.equal(default, train)
 
 
 @pytest.mark.parametrize("mode", ["default fp32", "default input", "invariant"])
