@@ -109,7 +109,7 @@ def grpo_args(output_dir: str, **overrides):
 
     settings = dict(
         output_dir=output_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        learning_rate=0.05, optim="sgd", bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        learning_rate=0.005, optim="sgd", bf16=False, use_cpu=True, report_to="none", save_strategy="no",
         logging_steps=1, seed=0, disable_tqdm=True,
     )  # fmt: skip
     settings.update(overrides)

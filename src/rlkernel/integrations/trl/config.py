@@ -79,6 +79,11 @@ def installed_version() -> str | None:
         return None
 
 
+def require_supported_trl() -> None:
+    """:func:`check_version` of the installed TRL."""
+    check_version(installed_version())
+
+
 def check_version(installed: str | None) -> None:
     """Raise ``RuntimeError`` unless ``installed`` is a TRL 1.16.x release (or ``None``: TRL is not
     installed, and the mapping is 1.16's, as documented)."""
@@ -146,6 +151,8 @@ def _pending(args: object, loss_type: str, beta: float) -> None:
             "not yet: rlkernel has no sequence mask by KL and advantage sign yet; leave it None",
         )
     quantile = check.real("top_entropy_quantile", _field(args, "top_entropy_quantile"))
+    if not 0.0 <= quantile <= 1.0:  # NaN included
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {quantile}")
     if quantile < 1.0:
         raise _unsupported(
             f"top_entropy_quantile={quantile}",
@@ -229,7 +236,7 @@ def plan_from_trl(args: object) -> TRLLossPlan:
         ValueError: a value TRL would reject or rlkernel cannot reproduce; the message names the
             ``GRPOConfig`` field (docs/integrations/trl.md lists them).
     """
-    check_version(installed_version())
+    require_supported_trl()
     loss_type = check.choice("loss_type", _field(args, "loss_type"), LOSS_TYPES)
     level = check.choice(
         "importance_sampling_level", _field(args, "importance_sampling_level"), IMPORTANCE_SAMPLING_LEVELS

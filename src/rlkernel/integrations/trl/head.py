@@ -46,7 +46,7 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel import linear_token_logprobs
-from rlkernel.integrations.trl.config import check_version, installed_version
+from rlkernel.integrations.trl.config import require_supported_trl
 
 IGNORE_INDEX = -100  # TRL's label for positions that are not scored
 OUTPUTS = ("log_probs", "entropy")
@@ -101,7 +101,7 @@ def head_settings(model: object, temperature: object, cast_lm_head_to_fp32: obje
         ValueError: a softcapped or non-positively scaled LM head, MoE router logits requested by
             the config, DeepSpeed ZeRO-3, a temperature that is not a finite number > 0.
     """
-    check_version(installed_version())
+    require_supported_trl()
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(model, "get_output_embeddings", None)):
         raise TypeError(f"model must be a transformers PreTrainedModel with an LM head, got {type(model).__name__}")

@@ -37,9 +37,8 @@ from trl import GRPOTrainer
 from rlkernel import fused_policy_loss, linear_token_logprobs, policy_loss
 from rlkernel.integrations.trl.config import (
     TRLLossPlan,
-    check_version,
-    installed_version,
     plan_from_trl,
+    require_supported_trl,
     step_normalizers,
 )
 from rlkernel.integrations.trl.head import (
@@ -146,7 +145,7 @@ class RLKernelGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        check_version(installed_version())
+        require_supported_trl()
         config = kwargs["args"] if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if config is not None:
             plan_from_trl(config)  # before TRL builds models, reference model and vLLM
