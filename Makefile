@@ -15,6 +15,10 @@ TORCH_SPEC  ?= torch==2.13.0
 # stub the two imports it never calls, tests/integrations/conftest.py). The wheel also installs a
 # top-level `tests` package of its own; nothing here imports `tests`.
 OPENRLHF_SPEC ?= openrlhf==0.11.2
+# TRL's own GRPOTrainer is the reference of tests/integrations/test_trl_*.py (rlkernel.integrations.trl
+# is tested against this version). Installed with its dependencies (transformers, accelerate, datasets)
+# next to the torch pin, so that pip keeps the CPU torch.
+TRL_SPEC    ?= trl==1.16.0
 VENV_FLAGS  ?=
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
@@ -32,6 +36,7 @@ setup-demo: $(BIN)/python
 
 setup-dev: $(BIN)/python
 	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e ".[dev]"
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(TRL_SPEC)
 	$(BIN)/python -m pip install -q --no-deps $(OPENRLHF_SPEC)
 
 demo: setup-demo

@@ -6,7 +6,8 @@ The public callables are walked, not listed:
   staticmethods (``PolicyLossConfig`` and ``PolicyLossConfig.preset``);
 * everything in ``rlkernel.invariant.__all__`` and ``rlkernel.distributed.__all__``
   (docs/api/distributed.md), and in the ``__all__`` of every integration,
-  ``rlkernel.integrations.openrlhf`` (docs/integrations/);
+  ``rlkernel.integrations.openrlhf`` and ``rlkernel.integrations.trl`` (docs/integrations/; of a
+  class that subclasses a framework's, only what rlkernel defines);
 * every subcommand of the ``rlkernel`` command, as ``"cli:<name>"``.
 
 Coverage is declared by the bad-input test modules, ``tests/**/test_bad_input*.py``: each has a
@@ -33,6 +34,7 @@ from pathlib import Path
 import rlkernel
 import rlkernel.distributed
 import rlkernel.integrations.openrlhf
+import rlkernel.integrations.trl
 import rlkernel.invariant
 from rlkernel.cli import build_parser
 
@@ -55,6 +57,8 @@ def _class_members(cls: type) -> dict[str, object]:
     for name, raw in inspect.getmembers_static(cls):
         if name.startswith("_") or not isinstance(raw, classmethod | staticmethod):
             continue
+        if not raw.__func__.__module__.startswith("rlkernel."):  # inherited from a framework's class
+            continue
         member = getattr(cls, name)
         out[_key(member)] = member
     return out
@@ -63,7 +67,8 @@ def _class_members(cls: type) -> dict[str, object]:
 def public_callables() -> dict[str, object]:
     """``key -> callable`` for every public callable (see the module docstring)."""
     found: dict[str, object] = {}
-    for module in (rlkernel, rlkernel.invariant, rlkernel.distributed, rlkernel.integrations.openrlhf):
+    integrations = (rlkernel.integrations.openrlhf, rlkernel.integrations.trl)
+    for module in (rlkernel, rlkernel.invariant, rlkernel.distributed, *integrations):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isclass(obj):
@@ -125,6 +130,7 @@ def test_every_public_callable_has_a_bad_input_case():
     assert "rlkernel.rl.config:PolicyLossConfig.preset" in public  # the walk sees classmethods
     assert "cli:consistency" in public  # ... and the CLI's subcommands
     assert "rlkernel.integrations.openrlhf:PolicyLoss" in public  # ... and the integrations
+    assert "rlkernel.integrations.trl.trainer:RLKernelGRPOTrainer" in public
     modules = bad_input_modules()
     assert modules, f"no {PATTERN} under {TESTS}"
 

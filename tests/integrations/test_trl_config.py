@@ -12,7 +12,10 @@ import torch
 
 from rlkernel import PolicyLossConfig
 
-from .trl_helpers import dataset, grpo_args, length_reward, load_model, require_trl, save_tiny_model, tokenizer
+from .trl_helpers import (
+    grpo_args,
+    require_trl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,11 @@ MAPPINGS = [
         dict(loss_type="gspo", aggregation="seq-mean-token-sum"),
         "sequences",
     ),
-    (dict(importance_sampling_level="sequence"), dict(loss_type="gspo", aggregation="token-mean"), "step_tokens"),
+    (
+        dict(importance_sampling_level="sequence"),
+        dict(loss_type="gspo", aggregation="token-mean"),
+        "step_tokens",
+    ),
     (
         dict(beta=0.04, use_bias_correction_kl=False),
         dict(loss_type="ppo", aggregation="token-mean", kl_coef=0.04, kl_estimator="k3"),
@@ -71,28 +78,50 @@ MAPPINGS = [
         "step_tokens",
     ),
     (
-        dict(use_vllm=True, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.5),
         dict(
-            loss_type="ppo", aggregation="token-mean", rollout_correction="token_tis", rollout_clip_min=0.5,
+            use_vllm=True,
+            vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_min=0.5,
+        ),
+        dict(
+            loss_type="ppo",
+            aggregation="token-mean",
+            rollout_correction="token_tis",
+            rollout_clip_min=0.5,
             rollout_clip_max=3.0,
         ),  # fmt: skip
         "step_tokens",
     ),
     (
-        dict(use_vllm=True, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=None,
-             vllm_importance_sampling_clip_min=0.2),  # fmt: skip
         dict(
-            loss_type="ppo", aggregation="token-mean", rollout_correction="token_mis", rollout_clip_min=0.2,
+            use_vllm=True,
+            vllm_importance_sampling_mode="token_mask",
+            vllm_importance_sampling_clip_max=None,
+            vllm_importance_sampling_clip_min=0.2,
+        ),  # fmt: skip
+        dict(
+            loss_type="ppo",
+            aggregation="token-mean",
+            rollout_correction="token_mis",
+            rollout_clip_min=0.2,
             rollout_clip_max=None,
         ),  # fmt: skip
         "step_tokens",
     ),
     (
-        dict(use_vllm=True, vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_min=-1.0),
+        dict(
+            use_vllm=True,
+            vllm_importance_sampling_mode="sequence_truncate",
+            vllm_importance_sampling_clip_min=-1.0,
+        ),
         dict(loss_type="ppo", aggregation="token-mean", rollout_correction="seq_tis", rollout_clip_max=3.0),
         "step_tokens",
     ),
-    (dict(use_vllm=True, vllm_importance_sampling_correction=False), dict(aggregation="token-mean"), "step_tokens"),
+    (
+        dict(use_vllm=True, vllm_importance_sampling_correction=False),
+        dict(aggregation="token-mean"),
+        "step_tokens",
+    ),
 ]
 
 
@@ -122,74 +151,14 @@ def test_entropy_bonus_is_the_trainers_not_the_configs(args_for, overrides):
     assert plan.entropy_bonus and plan.config.entropy_coef == 0
 
 
-# (GRPOConfig overrides, a pattern the error names)
-UNSUPPORTED = [
-    # waiting for rlkernel features being added (docs: "Not yet")
-    (dict(loss_type="vespo"), "vespo"),
-    (dict(beta=0.04), "use_bias_correction_kl"),  # TRL's default use_bias_correction_kl=True
-    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-    (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
-    # no rlkernel equivalent
-    (dict(loss_type="cispo", importance_sampling_level="sequence"), "cispo.*sequence"),
-    (dict(loss_type="sapo", importance_sampling_level="sequence"), "sapo.*sequence"),
-    (dict(delta=1.5, importance_sampling_level="sequence"), "delta.*sequence"),
-    (dict(delta=0.9), "delta"),
-    (dict(loss_type="cispo", epsilon_high=0.5), "epsilon_high"),
-    (dict(loss_type="dr_grpo", max_completion_length=None), "max_completion_length"),
-    (dict(use_vllm=True, vllm_importance_sampling_clip_max=None), "vllm_importance_sampling_clip"),
-    # values TRL would take and fail on later, or that are not numbers of the right range
-    (dict(loss_type="ppo"), "loss_type"),
-    (dict(importance_sampling_level="batch"), "importance_sampling_level"),
-    (dict(beta=-0.1), "beta"),
-    (dict(epsilon=-0.1), "epsilon"),
-    (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg"),
-    (dict(use_vllm=True, vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
-    (dict(top_entropy_quantile=float("nan")), "top_entropy_quantile"),
-]
-
-
-@pytest.mark.parametrize("overrides, match", UNSUPPORTED, ids=[str(u[0]) for u in UNSUPPORTED])
-def test_unsupported_settings_raise_at_construction(args_for, tmp_path, overrides, match):
-    from rlkernel.integrations.trl import RLKernelGRPOTrainer, policy_config_from_trl
-
-    args = args_for(**overrides)
-    with pytest.raises(ValueError, match=match):
-        policy_config_from_trl(args)
-    # Before TRL builds anything: the model path is never read.
-    with pytest.raises(ValueError, match=match):
-        RLKernelGRPOTrainer(model=str(tmp_path / "not-a-model"), reward_funcs=length_reward, args=args)
-
-
-def test_wrong_types_raise(args_for):
-    from rlkernel.integrations.trl import policy_config_from_trl
-
-    args = args_for()
-    args.epsilon = "0.2"
-    with pytest.raises(TypeError, match="epsilon"):
-        policy_config_from_trl(args)
-    with pytest.raises(TypeError, match="GRPOConfig.*loss_type"):
-        policy_config_from_trl(object())
-
-
-def test_unsupported_models_raise_at_construction(tmp_path_factory, args_for):
-    """A softcapped LM head is known only once TRL has the model; still at construction."""
-    from rlkernel.integrations.trl import RLKernelGRPOTrainer
-
-    model = load_model(save_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen3"))))
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="softcap"):
-        RLKernelGRPOTrainer(
-            model=model, reward_funcs=length_reward, args=args_for(), train_dataset=dataset(),
-            processing_class=tokenizer(),
-        )  # fmt: skip
-
-
 def test_step_normalizers():
     """TRL's divisors (trl/trainer/grpo_trainer.py, _compute_loss), per rule, in training and eval."""
     from rlkernel.integrations.trl.config import TRLLossPlan, step_normalizers
 
     def plan(rule):
-        return TRLLossPlan(config=PolicyLossConfig(), normalizer=rule, entropy_bonus=False, rollout_correction=False)
+        return TRLLossPlan(
+            config=PolicyLossConfig(), normalizer=rule, entropy_bonus=False, rollout_correction=False
+        )
 
     common = dict(
         batch_size=4, local_tokens=torch.tensor(9), num_items_in_batch=torch.tensor(50), accumulation_steps=3,
@@ -205,33 +174,3 @@ def test_step_normalizers():
     empty = {**common, "local_tokens": torch.tensor(0), "num_items_in_batch": torch.tensor(0)}
     assert step_normalizers(plan("local_tokens"), training=False, **empty)["global_tokens"].item() == 1
     assert step_normalizers(plan("step_tokens"), training=False, **empty)["global_tokens"].item() == 0.5
-
-
-@pytest.mark.parametrize("version", ["1.16.0", "1.16.2", "1.16.10", None])
-def test_supported_versions(version):
-    from rlkernel.integrations.trl.config import check_version
-
-    check_version(version)
-
-
-@pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0", "1.160.0", "0.16.0"])
-def test_other_versions_raise(version):
-    from rlkernel.integrations.trl.config import check_version
-
-    with pytest.raises(RuntimeError, match=r"TRL 1\.16\.x .*installed trl is " + version.replace(".", r"\.")):
-        check_version(version)
-
-
-def test_the_installed_version_is_checked_at_every_entry_point(args_for, monkeypatch):
-    from rlkernel.integrations.trl import RLKernelGRPOTrainer, add_rlkernel_lm_head, policy_config_from_trl
-    from rlkernel.integrations.trl import config
-
-    args = args_for()
-    monkeypatch.setattr(config, "installed_version", lambda: "1.17.0")  # seam: another installed TRL
-    for call in (
-        lambda: policy_config_from_trl(args),
-        lambda: add_rlkernel_lm_head(torch.nn.Linear(2, 2)),
-        lambda: RLKernelGRPOTrainer(model="unused", args=args),
-    ):
-        with pytest.raises(RuntimeError, match="1.17.0"):
-            call()

@@ -51,13 +51,19 @@ SETTINGS = {
     "dr_grpo, sequence ratio": dict(loss_type="dr_grpo", importance_sampling_level="sequence", epsilon=0.05),
     "dapo + entropy bonus": dict(entropy_coef=0.1),
     "grpo + entropy bonus + KL": dict(loss_type="grpo", entropy_coef=-0.05, **KL),
-    "sapo + adaptive entropy": dict(loss_type="sapo", use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=10.0),
+    "sapo + adaptive entropy": dict(
+        loss_type="sapo", use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=10.0
+    ),
 }
 # TRL's vLLM importance-sampling correction (use_vllm + vllm_importance_sampling_correction).
 VLLM_SETTINGS = {
-    "token_truncate": dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.8),
+    "token_truncate": dict(
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.8
+    ),
     "token_mask": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.3),
-    "sequence_truncate": dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=1.5),
+    "sequence_truncate": dict(
+        vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=1.5
+    ),
     "sequence_mask (TRL default), lower bound <= 0": dict(
         vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=2.0
     ),
@@ -65,12 +71,17 @@ VLLM_SETTINGS = {
         vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0, loss_type="grpo", **KL
     ),
     "token_mask, GSPO": dict(
-        vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.7,
-        loss_type="grpo", importance_sampling_level="sequence", epsilon=0.05,
+        vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_min=0.7,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        epsilon=0.05,
     ),  # fmt: skip
     "token_truncate, cispo": dict(
-        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1.5,
-        loss_type="cispo", epsilon_high=1.2,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=1.5,
+        loss_type="cispo",
+        epsilon_high=1.2,
     ),  # fmt: skip
 }
 
@@ -202,7 +213,9 @@ def test_as_many_tokens_as_sequences(model_dir, tmp_path):
     token (rlkernel's rule for an [N] tensor when N equals the sequence count); they are expanded."""
     trainer = build(model_dir, tmp_path, loss_type="grpo")
     batch = make_batch(trainer, seed=7)
-    batch["completion_mask"] = torch.tensor([[1, 1, 0, 0, 0, 0, 0], [0] * 7, [1, 0, 0, 0, 0, 0, 0], [1] + [0] * 6])
+    batch["completion_mask"] = torch.tensor(
+        [[1, 1, 0, 0, 0, 0, 0], [0] * 7, [1, 0, 0, 0, 0, 0, 0], [1] + [0] * 6]
+    )
     compare(trainer, batch)
 
 
@@ -221,3 +234,30 @@ def test_logit_scale_folds_into_the_temperature(model_dir, tmp_path):
     trainer.current_gradient_accumulation_steps = 1
     assert trainer._rlkernel_head.temperature == pytest.approx(0.7 / 0.6)
     compare(trainer, make_batch(trainer, seed=8))
+
+
+@pytest.mark.parametrize("setting", ["dapo, clip-higher, delta", "grpo + KL", "cispo"])
+def test_triton_fused_path_matches_trl(model_dir, tmp_path, smallest_linear_chunks, monkeypatch, setting):
+    """The path a GPU takes: the Triton kernels (in the CPU interpreter, 16-row chunks) fuse the loss
+    into the linear chunk engine (gradient computed in the forward pass). Agreement to float32
+    rounding of each gradient's scale (the chunk engine sums in another order)."""
+    from trl import GRPOTrainer
+
+    import rlkernel as rk
+    from rlkernel.ops import _linear_function
+
+    calls = []
+    engine = _linear_function.fused_linear_token_loss
+    # seam: a spy, to check that the fused chunk engine (not the composed path) computed the loss
+    monkeypatch.setattr(
+        _linear_function, "fused_linear_token_loss", lambda *a, **k: calls.append(1) or engine(*a, **k)
+    )
+    trainer = build(model_dir, tmp_path, **SETTINGS[setting])
+    batch = make_batch(trainer, seed=9)
+    ref_loss, ref_grads = loss_and_grads(GRPOTrainer._compute_loss, trainer, batch)
+    with rk.use_backend("triton"):
+        loss, grads = loss_and_grads(type(trainer)._compute_loss, trainer, batch)
+    assert calls == [1]
+    assert (loss - ref_loss).abs().item() <= TOL
+    for name, grad in ref_grads.items():
+        assert (grads[name] - grad).abs().max().item() <= 2 * TOL * max(1.0, grad.abs().max().item()), name

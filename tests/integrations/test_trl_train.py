@@ -32,7 +32,11 @@ RUNS = {
     "defaults": dict(),
     # num_iterations = 2: old log-probs, rlkernel's fused_policy_loss; GSPO with a k3 KL.
     "GSPO + KL, 2 iterations": dict(
-        loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-3, num_iterations=2, beta=0.05,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        epsilon=3e-3,
+        num_iterations=2,
+        beta=0.05,
         use_bias_correction_kl=False,
     ),  # fmt: skip
     # 2 micro-batches per step, a generation every 4 (old log-probs): the window normalizers.
@@ -41,7 +45,11 @@ RUNS = {
     ),
     # The adaptive entropy bonus (its coefficient moves every step) with cispo.
     "cispo + adaptive entropy": dict(
-        loss_type="cispo", epsilon_high=1.2, use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=10.0,
+        loss_type="cispo",
+        epsilon_high=1.2,
+        use_adaptive_entropy=True,
+        entropy_coef=0.05,
+        entropy_target=10.0,
         entropy_coef_delta=0.02,
     ),  # fmt: skip
 }
@@ -99,7 +107,11 @@ def train(cls, model_dir, output_dir, *, vllm: bool = False, **overrides):
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     # Logged at the steps that generated (every steps_per_generation · num_iterations micro-batches).
-    lengths = [entry["completions/min_length"] for entry in trainer.state.log_history if "completions/min_length" in entry]
+    lengths = [
+        entry["completions/min_length"]
+        for entry in trainer.state.log_history
+        if "completions/min_length" in entry
+    ]
     return params, losses, lengths
 
 
@@ -131,3 +143,17 @@ def test_three_steps_end_with_trl_parameters(model_dir, tmp_path, initial, run):
     assert_same_run(ours, theirs, initial)
     assert min(ours[2]) < 8  # some completions ended before max_completion_length
 
+
+def test_example_trains_like_trl(model_dir, capsys):
+    """examples/trl_grpo.py (one step here): both runs print, and their parameters agree."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(steps=1) <= TOL
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[:2]] == ["rlkernel", "trl"]
+    assert lines[2].startswith("max |parameter difference| after 1 steps")

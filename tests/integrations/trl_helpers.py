@@ -35,7 +35,9 @@ def require_trl() -> None:
     if importlib.util.find_spec("trl") is None:
         reason = f"TRL is not installed (pip install trl=={TRL_VERSION})"
     elif importlib.metadata.version("trl") != TRL_VERSION:
-        reason = f"TRL {importlib.metadata.version('trl')} is installed; these tests compare with {TRL_VERSION}"
+        reason = (
+            f"TRL {importlib.metadata.version('trl')} is installed; these tests compare with {TRL_VERSION}"
+        )
     if reason is None:
         return
     if os.environ.get("CI", "").lower() not in ("", "0", "false"):
@@ -53,30 +55,34 @@ def tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     bpe = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, bpe)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def save_tiny_model(path: str, *, seed: int = 0, eos_bias: float = 2.5) -> str:
+def save_tiny_model(path: str, *, seed: int = 0, eos_bias: float = 2.5, vocab: int | None = None) -> str:
     """A random-init 2-layer Qwen3 (hidden 64, untied LM head) and the tokenizer, saved to ``path``.
 
     ``eos_bias``: the LM-head row of the end-of-sequence token is set along the mean hidden state,
     so that sampled completions end at ragged lengths (a random model would almost never stop).
+    ``vocab``: a larger LM head than the tokenizer's vocabulary (e.g. Qwen3's 151,936 on the GPU).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tok = tokenizer()
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+        vocab_size=vocab or len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
     )  # fmt: skip
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
-        ids = torch.randint(0, len(tok), (16, 12), generator=torch.Generator().manual_seed(seed))
+        ids = torch.randint(0, config.vocab_size, (16, 12), generator=torch.Generator().manual_seed(seed))
         mean = model.model(input_ids=ids).last_hidden_state.reshape(-1, 64).mean(0)
         model.lm_head.weight[tok.eos_token_id] = eos_bias * mean / (mean @ mean)
     model.save_pretrained(path)
@@ -123,6 +129,7 @@ def make_batch(trainer, *, seed: int = 0, tool_mask: bool = False, token_advanta
     sampler's log-probs (with one NaN, a token vLLM could not score) and ``num_items_in_batch``.
     """
     g = torch.Generator().manual_seed(seed)
+    device = trainer.model.device
     B, P, T = 4, 5, 7
     vocab = trainer.model.config.vocab_size
     prompt_ids = torch.randint(0, vocab, (B, P), generator=g)
@@ -141,18 +148,20 @@ def make_batch(trainer, *, seed: int = 0, tool_mask: bool = False, token_advanta
         batch["tool_mask"][3, 1] = 0
     if token_advantages:
         batch["advantages"] = torch.randn(B, T, generator=g)
+    batch = {k: v.to(device) for k, v in batch.items()}
     with torch.no_grad():
-        logp, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), T
-        )
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention_mask, T)
+    logp = logp.float().cpu()
     old = logp + 0.3 * torch.randn(B, T, generator=g)
     sampling = old + 0.4 * torch.randn(B, T, generator=g)
     sampling[2, 1] = float("nan")
     batch.update(
-        old_per_token_logps=old,
-        ref_per_token_logps=logp + 0.5 * torch.randn(B, T, generator=g),
-        sampling_per_token_logps=sampling,
-        num_items_in_batch=torch.tensor(37),
+        old_per_token_logps=old.to(device),
+        ref_per_token_logps=(logp + 0.5 * torch.randn(B, T, generator=g)).to(device),
+        sampling_per_token_logps=sampling.to(device),
+        num_items_in_batch=torch.tensor(37, device=device),
     )
     return batch
 
@@ -163,7 +172,9 @@ def importance_sampling_ratio(batch: dict, args) -> torch.Tensor:
     sequence ([B, 1]), a NaN sampling log-prob counting as ρ = 1, then truncated into
     [clip_min, clip_max] or zeroed outside it."""
     mask = batch["completion_mask"] * batch.get("tool_mask", 1)
-    diff = ((batch["old_per_token_logps"].double() - batch["sampling_per_token_logps"].double()) * mask).nan_to_num(0.0)
+    diff = (
+        (batch["old_per_token_logps"].double() - batch["sampling_per_token_logps"].double()) * mask
+    ).nan_to_num(0.0)
     mode = args.vllm_importance_sampling_mode
     if mode.startswith("sequence"):
         diff = diff.sum(-1, keepdim=True)

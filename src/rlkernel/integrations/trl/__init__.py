@@ -29,7 +29,6 @@ from __future__ import annotations
 from rlkernel.integrations.trl.config import (
     SUPPORTED_SERIES,
     TESTED_VERSIONS,
-    TRLLossPlan,
     plan_from_trl,
     policy_config_from_trl,
 )
@@ -39,7 +38,6 @@ __all__ = [
     "SUPPORTED_SERIES",
     "TESTED_VERSIONS",
     "RLKernelGRPOTrainer",
-    "TRLLossPlan",
     "add_rlkernel_lm_head",
     "plan_from_trl",
     "policy_config_from_trl",

@@ -126,7 +126,8 @@ def _field(args: object, name: str) -> object:
         return getattr(args, name)
     except AttributeError:
         raise TypeError(
-            f"args must be a trl.GRPOConfig (TRL {SUPPORTED_SERIES}); {type(args).__name__} has no field {name!r}"
+            f"args must be a trl.GRPOConfig (TRL {SUPPORTED_SERIES}); {type(args).__name__} has no "
+            f"field {name!r}"
         ) from None
 
 
@@ -162,8 +163,13 @@ def _pending(args: object, loss_type: str, beta: float) -> None:
 
 def _rollout_fields(args: object) -> dict[str, object]:
     """The vLLM importance-sampling correction as rlkernel's rollout correction fields."""
-    mode = check.choice("vllm_importance_sampling_mode", _field(args, "vllm_importance_sampling_mode"), VLLM_IS_MODES)
-    low, high = _field(args, "vllm_importance_sampling_clip_min"), _field(args, "vllm_importance_sampling_clip_max")
+    mode = check.choice(
+        "vllm_importance_sampling_mode", _field(args, "vllm_importance_sampling_mode"), VLLM_IS_MODES
+    )
+    low, high = (
+        _field(args, "vllm_importance_sampling_clip_min"),
+        _field(args, "vllm_importance_sampling_clip_max"),
+    )
     low = None if low is None else check.real("vllm_importance_sampling_clip_min", low)
     high = None if high is None else check.real("vllm_importance_sampling_clip_max", high)
     # ρ = exp(·) >= 0: a lower bound <= 0 truncates or rejects nothing (TRL's clamp / comparison with
@@ -210,7 +216,9 @@ def _policy_fields(args: object, loss_type: str, level: str) -> dict[str, object
             sapo_tau_pos=check.positive_float("sapo_temperature_pos", _field(args, "sapo_temperature_pos")),
             sapo_tau_neg=check.positive_float("sapo_temperature_neg", _field(args, "sapo_temperature_neg")),
         )
-    fields: dict[str, object] = dict(loss_type="gspo" if sequence else "ppo", clip_low=epsilon, clip_high=epsilon_high)
+    fields: dict[str, object] = dict(
+        loss_type="gspo" if sequence else "ppo", clip_low=epsilon, clip_high=epsilon_high
+    )
     if delta is not None:
         delta = check.real("delta", delta)
         if sequence:
@@ -219,7 +227,9 @@ def _policy_fields(args: object, loss_type: str, level: str) -> dict[str, object
                 "rlkernel's two-sided cap δ applies to the token ratio of ppo; its gspo has no δ",
             )
         if not delta > 1.0:
-            raise _unsupported(f"delta={delta}", "rlkernel's two-sided cap needs δ > 1 (TRL recommends δ > 1 + ε)")
+            raise _unsupported(
+                f"delta={delta}", "rlkernel's two-sided cap needs δ > 1 (TRL recommends δ > 1 + ε)"
+            )
         fields["delta"] = delta
     return fields
 
@@ -249,7 +259,9 @@ def plan_from_trl(args: object) -> TRLLossPlan:
     if loss_type == "dr_grpo":
         length = _field(args, "max_completion_length")
         if length is None:
-            raise _unsupported("loss_type='dr_grpo' with max_completion_length=None", "its normalizer is that length")
+            raise _unsupported(
+                "loss_type='dr_grpo' with max_completion_length=None", "its normalizer is that length"
+            )
         fields["norm_length"] = check.positive_int("max_completion_length", length)
     if beta > 0:
         fields.update(kl_coef=beta, kl_estimator="k3")

@@ -104,7 +104,9 @@ def head_settings(model: object, temperature: object, cast_lm_head_to_fp32: obje
     require_supported_trl()
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(model, "get_output_embeddings", None)):
-        raise TypeError(f"model must be a transformers PreTrainedModel with an LM head, got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a transformers PreTrainedModel with an LM head, got {type(model).__name__}"
+        )
     check.boolean("cast_lm_head_to_fp32", cast_lm_head_to_fp32)
     temperature = check.positive_float("temperature", temperature)
     text_config = config.get_text_config()
@@ -213,7 +215,9 @@ def add_rlkernel_lm_head(
     original = model.forward
 
     @functools.wraps(type(model).forward)  # generate() checks its kwargs against this signature
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+    def forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
         if not fused_lm_head:
             extra = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
             return original(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})

@@ -79,8 +79,9 @@ class _LossHead:
         if adv.dim() == 2:  # subclasses may give one advantage per token
             if self.plan.config.loss_type == "gspo":
                 raise ValueError(
-                    "per-token advantages [B, T] with importance_sampling_level='sequence': TRL applies the "
-                    "sequence ratio to each token's advantage, rlkernel's gspo to the sequence's mean advantage"
+                    "per-token advantages [B, T] with importance_sampling_level='sequence': TRL applies "
+                    "the sequence ratio to each token's advantage, rlkernel's gspo to the sequence's mean "
+                    "advantage"
                 )
             return adv[active]
         # Packed input with as many tokens as sequences reads advantages per token (rl.loss); expand
@@ -93,7 +94,9 @@ class _LossHead:
         width = ids.shape[1]
         # Position t − 1 predicts completion token t: the hidden states of the last T + 1 positions
         # but the final one, packed to the active tokens.
-        h, weight, bias = head_inputs(hidden[:, -width - 1 : -1][active.to(hidden.device)], weight, bias, self.head)
+        h, weight, bias = head_inputs(
+            hidden[:, -width - 1 : -1][active.to(hidden.device)], weight, bias, self.head
+        )
         ids = ids[active]
         tokens = ids.shape[0]
         cu_seqlens = F.pad(active.sum(-1).cumsum(0), (1, 0))
@@ -162,7 +165,9 @@ class RLKernelGRPOTrainer(GRPOTrainer):
                 "RLKernelGRPOTrainer; set router_aux_loss_coef=0.0"
             )
         model = policy_model(self.model)
-        self._rlkernel_head: HeadSettings = head_settings(model, self.temperature, self.args.cast_lm_head_to_fp32)
+        self._rlkernel_head: HeadSettings = head_settings(
+            model, self.temperature, self.args.cast_lm_head_to_fp32
+        )
         install_loss_head(model, self._rlkernel_head)
 
     def _compute_loss(self, model, inputs):
@@ -209,7 +214,9 @@ class RLKernelGRPOTrainer(GRPOTrainer):
         tokens = active.sum().float()
         if plan.entropy_bonus:
             scale = accumulation if plan.normalizer in _PER_WINDOW_NORMALIZERS else 1
-            log["policy_loss"].append(self.accelerator.gather(head.output.loss.detach() * scale).nanmean().item())
+            log["policy_loss"].append(
+                self.accelerator.gather(head.output.loss.detach() * scale).nanmean().item()
+            )
             self._update_adaptive_entropy(head.entropy, tokens, mode)
         if plan.config.kl_coef > 0:
             log["kl"].append(self._global_mean(metrics["kl_ref"] * tokens, tokens))
@@ -242,9 +249,13 @@ class RLKernelGRPOTrainer(GRPOTrainer):
                 totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
                 world = (totals[0] / totals[1].clamp(min=1.0)).item()
                 if world <= args.entropy_target:
-                    self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+                    self.entropy_coef = min(
+                        self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max
+                    )
                 else:
-                    self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+                    self.entropy_coef = max(
+                        self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min
+                    )
                 self._last_world_entropy = world
                 self._entropy_window_stats = None
         if mode == "train" and self.accelerator.sync_gradients:
