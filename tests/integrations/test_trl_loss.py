@@ -261,3 +261,21 @@ def test_triton_fused_path_matches_trl(model_dir, tmp_path, smallest_linear_chun
     assert (loss - ref_loss).abs().item() <= TOL
     for name, grad in ref_grads.items():
         assert (grads[name] - grad).abs().max().item() <= 2 * TOL * max(1.0, grad.abs().max().item()), name
+
+
+@pytest.mark.parametrize("setting", ["dapo (TRL default)", "GSPO + KL", "grpo + entropy bonus + KL"])
+@pytest.mark.parametrize("policy", ["off-policy", "on-policy"])
+def test_all_masked_micro_batch_gives_zero(model_dir, tmp_path, setting, policy):
+    """A micro-batch whose completions are all masked (e.g. every one truncated, with
+    ``mask_truncated_completions``): loss 0 and zero gradients, as TRL's."""
+    from trl import GRPOTrainer
+
+    trainer = build(model_dir, tmp_path, **SETTINGS[setting])
+    batch = make_batch(trainer, seed=10)
+    batch["completion_mask"] = torch.zeros_like(batch["completion_mask"])
+    if policy == "on-policy":
+        del batch["old_per_token_logps"]
+    for compute_loss in (GRPOTrainer._compute_loss, type(trainer)._compute_loss):
+        loss, grads = loss_and_grads(compute_loss, trainer, batch)
+        assert loss.item() == 0
+        assert all((g == 0).all() for g in grads.values())

@@ -70,7 +70,7 @@ class _LossHead:
     """
 
     def __init__(self, plan, head, inputs, active, normalizers, entropy_coef, accumulation) -> None:
-        self.plan, self.head, self.inputs, self.active = plan, head, inputs, active
+        self.plan, self.settings, self.inputs, self.active = plan, head, inputs, active
         self.normalizers, self.entropy_coef, self.accumulation = normalizers, entropy_coef, accumulation
         self.output = self.entropy = None
 
@@ -95,7 +95,7 @@ class _LossHead:
         # Position t − 1 predicts completion token t: the hidden states of the last T + 1 positions
         # but the final one, packed to the active tokens.
         h, weight, bias = head_inputs(
-            hidden[:, -width - 1 : -1][active.to(hidden.device)], weight, bias, self.head
+            hidden[:, -width - 1 : -1][active.to(hidden.device)], weight, bias, self.settings
         )
         ids = ids[active]
         tokens = ids.shape[0]
@@ -118,11 +118,11 @@ class _LossHead:
         if old is not None and not plan.entropy_bonus:
             self.output = fused_policy_loss(
                 plan.config, token_ids=ids, old_logp=old[active], hidden=h, weight=weight, bias=bias,
-                temperature=self.head.temperature, **common,
+                temperature=self.settings.temperature, **common,
             )  # fmt: skip
             return self.output.loss
         logp, entropy = linear_token_logprobs(
-            h, weight, ids, bias=bias, temperature=self.head.temperature, return_entropy=True
+            h, weight, ids, bias=bias, temperature=self.settings.temperature, return_entropy=True
         )
         old_logp = logp.detach() if old is None else old[active]
         self.output = policy_loss(logp, old_logp, cfg=plan.config, **common)
