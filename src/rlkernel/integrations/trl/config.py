@@ -137,7 +137,16 @@ def _unsupported(setting: str, why: str) -> ValueError:
 
 def _pending(args: object, loss_type: str, beta: float) -> None:
     """Settings that wait for an rlkernel feature being added (issue 14); each is one check here and
-    one row of "Not yet" in docs/integrations/trl.md, to be replaced by its mapping when it lands."""
+    one row of "Not yet" in docs/integrations/trl.md, to be replaced by its mapping when it lands:
+
+        vespo                       a loss_type branch in _policy_fields (vespo_k_*, vespo_lambda_*)
+        use_bias_correction_kl      the ratio-weighted KL field next to kl_coef in plan_from_trl
+        off_policy_mask_threshold   the OPSM field; the trainer passes vLLM's (else the old) log-probs
+        top_entropy_quantile        the mask field; TRL's quantile is over all processes' tokens
+        cispo / sapo, sequence      the sequence-ratio field in _policy_fields
+
+    (``old_logp=None`` and a ``rollout_weights=`` input change the trainer only: the on-policy branch
+    of ``_LossHead`` and, for the vLLM weights, TRL's ``importance_sampling_ratio`` passed as is.)"""
     if loss_type == "vespo":
         raise _unsupported("loss_type='vespo'", "not yet: rlkernel has no VESPO gamma weighting yet")
     if beta > 0 and _field(args, "use_bias_correction_kl"):
