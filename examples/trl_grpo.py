@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
 
@@ -79,11 +78,9 @@ def train(trainer_cls, model_path: str, tokenizer, steps: int, output_dir: str):
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
     )  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # the summary below instead of a dict per step
-    start = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - start
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return trainer.model, history, seconds
+    return trainer.model, history
 
 
 def main(steps: int = 4, compare: bool = True) -> float | None:
@@ -98,10 +95,11 @@ def main(steps: int = 4, compare: bool = True) -> float | None:
         runs = {"rlkernel": train(RLKernelGRPOTrainer, path, tokenizer, steps, f"{tmp}/rlkernel")}
         if compare:
             runs["trl"] = train(GRPOTrainer, path, tokenizer, steps, f"{tmp}/trl")
-    for name, (_, history, seconds) in runs.items():
+    # (CPU times would say little: the first run also pays one-time imports.)
+    for name, (_, history) in runs.items():
         losses = " ".join(f"{entry['loss']:+.5f}" for entry in history)
         rewards = " ".join(f"{entry['reward']:.3f}" for entry in history)
-        print(f"{name:9s} loss  {losses}   reward {rewards}   ({seconds:.1f} s)")
+        print(f"{name:9s} loss  {losses}   reward {rewards}")
     if not compare:
         return None
     ours, theirs = (dict(runs[name][0].named_parameters()) for name in ("rlkernel", "trl"))
