@@ -197,3 +197,34 @@ def test_use_rlkernel_lm_head_needs_a_grpo_trainer(model_dir):
 
     with pytest.raises(TypeError, match="GRPOTrainer"):
         use_rlkernel_lm_head(load_model(model_dir))
+
+
+def test_moe_load_balancing_loss_raises_at_construction(tmp_path, args_for):
+    """A Mixture-of-Experts model whose config weights a router loss (Qwen3-MoE: 0.001)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rlkernel.integrations.trl import RLKernelGRPOTrainer
+
+    tok = tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2,
+        num_experts_per_tok=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    assert config.router_aux_loss_coef > 0
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        RLKernelGRPOTrainer(
+            model=Qwen3MoeForCausalLM(config), reward_funcs=length_reward, args=args_for(),
+            train_dataset=dataset(), processing_class=tok,
+        )  # fmt: skip
+
+
+def test_the_trainer_shows_trls_signature():
+    import inspect
+
+    require_trl()
+    from trl import GRPOTrainer
+
+    from rlkernel.integrations.trl import RLKernelGRPOTrainer
+
+    assert inspect.signature(RLKernelGRPOTrainer) == inspect.signature(GRPOTrainer)

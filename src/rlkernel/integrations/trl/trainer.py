@@ -30,6 +30,8 @@ Metrics logged (TRL's names): ``kl``, ``clip_ratio/{low,high,region}_mean`` (ppo
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from trl import GRPOTrainer
@@ -260,3 +262,7 @@ class RLKernelGRPOTrainer(GRPOTrainer):
                 self._entropy_window_stats = None
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
+
+# The constructor forwards everything to GRPOTrainer's: show its signature (help(), IDEs).
+RLKernelGRPOTrainer.__init__.__signature__ = inspect.signature(GRPOTrainer.__init__)
