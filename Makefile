@@ -22,6 +22,10 @@ OPENRLHF_SPEC ?= openrlhf==0.11.2
 # tensordict and orjson for the import of verl's package, tests/integrations/verl_env.py).
 VERL_SPEC   ?= verl==0.9.1
 VERL_DEPS   ?= omegaconf codetiming
+# TRL's own GRPOTrainer is the reference of tests/integrations/test_trl_*.py (rlkernel.integrations.trl
+# is tested against this version). Installed with its dependencies (transformers, accelerate, datasets)
+# next to the torch pin, so that pip keeps the CPU torch.
+TRL_SPEC    ?= trl==1.16.0
 VENV_FLAGS  ?=
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
@@ -39,6 +43,7 @@ setup-demo: $(BIN)/python
 
 setup-dev: $(BIN)/python
 	$(BIN)/python -m pip install -q $(TORCH_SPEC) -e ".[dev]"
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(TRL_SPEC)
 	$(BIN)/python -m pip install -q --no-deps $(OPENRLHF_SPEC)
 	$(BIN)/python -m pip install -q --no-deps $(VERL_SPEC)
 	$(BIN)/python -m pip install -q $(VERL_DEPS)

@@ -6,7 +6,8 @@ The public callables are walked, not listed:
   staticmethods (``PolicyLossConfig`` and ``PolicyLossConfig.preset``);
 * everything in ``rlkernel.invariant.__all__`` and ``rlkernel.distributed.__all__``
   (docs/api/distributed.md), and in the ``__all__`` of every integration,
-  ``rlkernel.integrations.openrlhf`` and ``rlkernel.integrations.verl`` (docs/integrations/; the
+  ``rlkernel.integrations.openrlhf``, ``rlkernel.integrations.trl`` and ``rlkernel.integrations.verl``
+  (docs/integrations/; of a class that subclasses a framework's, only what rlkernel defines; the
   verl one imports verl, so it is walked where verl 0.9.1 is installed — always under ``CI`` — and
   its ``COVERED`` entries are not called stale where it is not);
 * every subcommand of the ``rlkernel`` command, as ``"cli:<name>"``.
@@ -35,6 +36,7 @@ from pathlib import Path
 import rlkernel
 import rlkernel.distributed
 import rlkernel.integrations.openrlhf
+import rlkernel.integrations.trl
 import rlkernel.invariant
 from rlkernel.cli import build_parser
 
@@ -57,6 +59,8 @@ def _class_members(cls: type) -> dict[str, object]:
     for name, raw in inspect.getmembers_static(cls):
         if name.startswith("_") or not isinstance(raw, classmethod | staticmethod):
             continue
+        if not raw.__func__.__module__.startswith("rlkernel."):  # inherited from a framework's class
+            continue
         member = getattr(cls, name)
         out[_key(member)] = member
     return out
@@ -75,7 +79,8 @@ def _verl_integration() -> types.ModuleType | None:
 def public_callables() -> dict[str, object]:
     """``key -> callable`` for every public callable (see the module docstring)."""
     found: dict[str, object] = {}
-    modules = [rlkernel, rlkernel.invariant, rlkernel.distributed, rlkernel.integrations.openrlhf]
+    modules = [rlkernel, rlkernel.invariant, rlkernel.distributed, rlkernel.integrations.openrlhf,
+               rlkernel.integrations.trl]  # fmt: skip
     verl = _verl_integration()
     for module in modules + ([verl] if verl is not None else []):
         for name in module.__all__:
@@ -139,6 +144,7 @@ def test_every_public_callable_has_a_bad_input_case():
     assert "rlkernel.rl.config:PolicyLossConfig.preset" in public  # the walk sees classmethods
     assert "cli:consistency" in public  # ... and the CLI's subcommands
     assert "rlkernel.integrations.openrlhf:PolicyLoss" in public  # ... and the integrations
+    assert "rlkernel.integrations.trl.trainer:RLKernelGRPOTrainer" in public
     modules = bad_input_modules()
     assert modules, f"no {PATTERN} under {TESTS}"
 

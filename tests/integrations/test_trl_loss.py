@@ -1,0 +1,281 @@
+"""``RLKernelGRPOTrainer._compute_loss`` against TRL 1.16's own ``GRPOTrainer._compute_loss``.
+
+One trainer per setting; TRL's method and rlkernel's run on the same model and the same micro-batch
+(``trl_helpers.make_batch``: ragged completions with a full and an empty row, advantages of both
+signs, old log-probs off by ~0.3 so that ratios fall on both sides of every clip, reference and
+vLLM log-probs), in float32. The loss and the gradient of every model parameter agree to 1e-6, and
+so do the metrics both log. Each setting runs off-policy (old log-probs given: rlkernel's
+``fused_policy_loss`` path) and on-policy (TRL's default: no old log-probs, ratio exp(logp − sg[logp]):
+the linear primitive + ``policy_loss`` path); an accumulation window of 2 micro-batches checks the
+normalizers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .trl_helpers import (
+    dataset,
+    grpo_args,
+    importance_sampling_ratio,
+    length_reward,
+    load_model,
+    loss_and_grads,
+    make_batch,
+    max_grad_diff,
+    require_trl,
+    save_tiny_model,
+    tokenizer,
+)
+
+TOL = 1e-6
+# Per-token KL against a reference 0.5 nats away keeps TRL's unclamped k3 inside rlkernel's clamps.
+KL = dict(beta=0.05, use_bias_correction_kl=False)
+
+SETTINGS = {
+    "dapo (TRL default)": dict(),
+    "dapo, clip-higher, delta": dict(epsilon=0.2, epsilon_high=0.28, delta=1.5),
+    "grpo": dict(loss_type="grpo"),
+    "grpo + KL": dict(loss_type="grpo", **KL),
+    "bnpo": dict(loss_type="bnpo", epsilon=0.1),
+    "dr_grpo": dict(loss_type="dr_grpo", max_completion_length=8),
+    "luspo (token ratio)": dict(loss_type="luspo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.2),
+    "sapo": dict(loss_type="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
+    "GSPO (grpo, sequence ratio)": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.05),
+    "GSPO + KL": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.05, **KL),
+    "luspo (sequence ratio)": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.05),
+    "dapo, sequence ratio": dict(importance_sampling_level="sequence", epsilon=0.05),
+    "bnpo, sequence ratio": dict(loss_type="bnpo", importance_sampling_level="sequence", epsilon=0.05),
+    "dr_grpo, sequence ratio": dict(loss_type="dr_grpo", importance_sampling_level="sequence", epsilon=0.05),
+    "dapo + entropy bonus": dict(entropy_coef=0.1),
+    "grpo + entropy bonus + KL": dict(loss_type="grpo", entropy_coef=-0.05, **KL),
+    "sapo + adaptive entropy": dict(
+        loss_type="sapo", use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=10.0
+    ),
+}
+# TRL's vLLM importance-sampling correction (use_vllm + vllm_importance_sampling_correction).
+VLLM_SETTINGS = {
+    "token_truncate": dict(
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.8
+    ),
+    "token_mask": dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.3),
+    "sequence_truncate": dict(
+        vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=1.5
+    ),
+    "sequence_mask (TRL default), lower bound <= 0": dict(
+        vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=2.0
+    ),
+    "sequence_mask, both bounds, grpo + KL": dict(
+        vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0, loss_type="grpo", **KL
+    ),
+    "token_mask, GSPO": dict(
+        vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_min=0.7,
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        epsilon=0.05,
+    ),  # fmt: skip
+    "token_truncate, cispo": dict(
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=1.5,
+        loss_type="cispo",
+        epsilon_high=1.2,
+    ),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    require_trl()
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen3")))
+
+
+def build(model_dir, tmp_path, **overrides):
+    from rlkernel.integrations.trl import RLKernelGRPOTrainer
+
+    trainer = RLKernelGRPOTrainer(
+        model=load_model(model_dir), reward_funcs=length_reward, args=grpo_args(str(tmp_path), **overrides),
+        train_dataset=dataset(), processing_class=tokenizer(),
+    )  # fmt: skip
+    trainer.model.train()
+    # Trainer's loop sets this per window; a window of 2 micro-batches checks the normalizers.
+    trainer.current_gradient_accumulation_steps = 2
+    return trainer
+
+
+def pretend_vllm(trainer) -> None:
+    """Mark the trainer's completions as vLLM's: vLLM cannot be installed on the CPU CI, so the
+    trainer is built without it and its flags are set afterwards (the plan re-read from them)."""
+    from rlkernel.integrations.trl import plan_from_trl
+
+    trainer.args.use_vllm = trainer.use_vllm = True
+    trainer.rlkernel_plan = plan_from_trl(trainer.args)
+
+
+def compare(trainer, batch, *, metrics: bool = True):
+    """TRL's loss, gradients and metrics next to rlkernel's on ``batch``."""
+    from trl import GRPOTrainer
+
+    mode = "train" if trainer.model.training else "eval"
+    # The adaptive entropy controller's state, which each call advances: both start from it.
+    state = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
+    before = {name: getattr(trainer, name) for name in state}
+    trainer._metrics[mode].clear()
+    ref_loss, ref_grads = loss_and_grads(GRPOTrainer._compute_loss, trainer, batch)
+    ref_metrics = {k: v[-1] for k, v in trainer._metrics[mode].items()}
+    ref_state = {name: getattr(trainer, name) for name in state}
+    for name, value in before.items():
+        setattr(trainer, name, value)
+    trainer._metrics[mode].clear()
+    loss, grads = loss_and_grads(type(trainer)._compute_loss, trainer, batch)
+    ours = {k: v[-1] for k, v in trainer._metrics[mode].items()}
+    for name in state[:2]:  # the coefficient moved alike, from the same measured entropy
+        assert getattr(trainer, name) == pytest.approx(ref_state[name], abs=TOL), name
+    assert torch.isfinite(ref_loss) and ref_loss != 0
+    assert (loss - ref_loss).abs().item() <= TOL, (loss.item(), ref_loss.item())
+    assert max(g.abs().max().item() for g in ref_grads.values()) > 1e-4  # the gradient is not trivially 0
+    assert max_grad_diff(grads, ref_grads) <= TOL
+    if metrics:
+        # cispo_clip_ratio: rlkernel counts every clamped token, TRL only those with A > 0.
+        shared = (ours.keys() & ref_metrics.keys()) - {"cispo_clip_ratio"}
+        for key in shared:
+            assert abs(ours[key] - ref_metrics[key]) <= TOL, (key, ours[key], ref_metrics[key])
+    return ours, ref_metrics
+
+
+@pytest.mark.parametrize("policy", ["off-policy", "on-policy"])
+@pytest.mark.parametrize("setting", list(SETTINGS), ids=list(SETTINGS))
+def test_loss_and_gradients_match_trl(model_dir, tmp_path, setting, policy):
+    trainer = build(model_dir, tmp_path, **SETTINGS[setting])
+    batch = make_batch(trainer, seed=len(setting))
+    if policy == "on-policy":
+        del batch["old_per_token_logps"]
+    if trainer.use_adaptive_entropy:
+        # As if the last optimizer step measured an entropy below the target: the coefficient applies.
+        trainer._last_world_entropy = 1.0
+    ours, ref = compare(trainer, batch)
+    # The entropy metric: the composed paths compute the entropy, the fused path does not.
+    assert ("entropy" in ours) == (policy == "on-policy" or trainer.rlkernel_plan.entropy_bonus)
+    if trainer.rlkernel_plan.entropy_bonus:
+        assert ours["entropy_coef"] == ref["entropy_coef"]
+
+
+@pytest.mark.parametrize("setting", list(VLLM_SETTINGS), ids=list(VLLM_SETTINGS))
+def test_vllm_importance_sampling_matches_trl(model_dir, tmp_path, setting):
+    trainer = build(model_dir, tmp_path, **VLLM_SETTINGS[setting])
+    pretend_vllm(trainer)
+    assert trainer.rlkernel_plan.rollout_correction
+    batch = make_batch(trainer, seed=11)
+    batch["importance_sampling_ratio"] = ratio = importance_sampling_ratio(batch, trainer.args)
+    # The window of each case rejects or truncates some weights and keeps others.
+    changed = (ratio == 0) | (ratio == trainer.args.vllm_importance_sampling_clip_max)
+    if trainer.args.vllm_importance_sampling_clip_min:
+        changed |= ratio == trainer.args.vllm_importance_sampling_clip_min
+    assert changed.any() and not changed.all()
+    compare(trainer, batch)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_evaluation_normalizers_match_trl(model_dir, tmp_path, loss_type):
+    """In evaluation TRL neither splits nor accumulates: no GA, and dapo's divisor is the batch's
+    token count per process."""
+    trainer = build(model_dir, tmp_path, loss_type=loss_type, entropy_coef=0.1)
+    trainer.model.eval()
+    batch = make_batch(trainer, seed=3)
+    compare(trainer, batch)
+
+
+@pytest.mark.parametrize("setting", ["dapo (TRL default)", "GSPO + KL", "grpo + entropy bonus + KL"])
+def test_tool_masked_tokens_match_trl(model_dir, tmp_path, setting):
+    """Tool-output tokens (``tool_mask`` 0 inside a completion) are left out of the loss, packed away."""
+    trainer = build(model_dir, tmp_path, **SETTINGS[setting])
+    compare(trainer, make_batch(trainer, seed=5, tool_mask=True))
+
+
+@pytest.mark.parametrize("setting", ["dapo (TRL default)", "sapo"])
+def test_per_token_advantages_match_trl(model_dir, tmp_path, setting):
+    """A subclass may give advantages per token ([B, T]); TRL uses them as they are."""
+    trainer = build(model_dir, tmp_path, **SETTINGS[setting])
+    compare(trainer, make_batch(trainer, seed=6, token_advantages=True))
+
+
+def test_per_token_advantages_with_a_sequence_ratio_raise(model_dir, tmp_path):
+    trainer = build(model_dir, tmp_path, **SETTINGS["GSPO (grpo, sequence ratio)"])
+    batch = make_batch(trainer, seed=6, token_advantages=True)
+    with pytest.raises(ValueError, match="per-token advantages"):
+        trainer._compute_loss(trainer.model, batch)
+
+
+def test_as_many_tokens_as_sequences(model_dir, tmp_path):
+    """4 sequences with 4 completion tokens in all: packed per-sequence advantages would be read per
+    token (rlkernel's rule for an [N] tensor when N equals the sequence count); they are expanded."""
+    trainer = build(model_dir, tmp_path, loss_type="grpo")
+    batch = make_batch(trainer, seed=7)
+    batch["completion_mask"] = torch.tensor(
+        [[1, 1, 0, 0, 0, 0, 0], [0] * 7, [1, 0, 0, 0, 0, 0, 0], [1] + [0] * 6]
+    )
+    compare(trainer, batch)
+
+
+def test_logit_scale_folds_into_the_temperature(model_dir, tmp_path):
+    """A config's logit scale s (e.g. Cohere's ``logit_scale``) and the sampling temperature τ:
+    TRL's head scores softmax(z·s/τ); rlkernel's temperature τ/s gives the same."""
+    from rlkernel.integrations.trl import RLKernelGRPOTrainer
+
+    model = load_model(model_dir)
+    model.config.logit_scale = 0.6  # read by TRL's head and by rlkernel's, from the config
+    trainer = RLKernelGRPOTrainer(
+        model=model, reward_funcs=length_reward, args=grpo_args(str(tmp_path), temperature=0.7),
+        train_dataset=dataset(), processing_class=tokenizer(),
+    )  # fmt: skip
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    assert trainer._rlkernel_head.temperature == pytest.approx(0.7 / 0.6)
+    compare(trainer, make_batch(trainer, seed=8))
+
+
+@pytest.mark.parametrize("setting", ["dapo, clip-higher, delta", "grpo + KL", "cispo"])
+def test_triton_fused_path_matches_trl(model_dir, tmp_path, smallest_linear_chunks, monkeypatch, setting):
+    """The path a GPU takes: the Triton kernels (in the CPU interpreter, 16-row chunks) fuse the loss
+    into the linear chunk engine (gradient computed in the forward pass). Agreement to float32
+    rounding of each gradient's scale (the chunk engine sums in another order)."""
+    from trl import GRPOTrainer
+
+    import rlkernel as rk
+    from rlkernel.ops import _linear_function
+
+    calls = []
+    engine = _linear_function.fused_linear_token_loss
+    # seam: a spy, to check that the fused chunk engine (not the composed path) computed the loss
+    monkeypatch.setattr(
+        _linear_function, "fused_linear_token_loss", lambda *a, **k: calls.append(1) or engine(*a, **k)
+    )
+    trainer = build(model_dir, tmp_path, **SETTINGS[setting])
+    batch = make_batch(trainer, seed=9)
+    ref_loss, ref_grads = loss_and_grads(GRPOTrainer._compute_loss, trainer, batch)
+    with rk.use_backend("triton"):
+        loss, grads = loss_and_grads(type(trainer)._compute_loss, trainer, batch)
+    assert calls == [1]
+    assert (loss - ref_loss).abs().item() <= TOL
+    for name, grad in ref_grads.items():
+        assert (grads[name] - grad).abs().max().item() <= 2 * TOL * max(1.0, grad.abs().max().item()), name
+
+
+@pytest.mark.parametrize("setting", ["dapo (TRL default)", "GSPO + KL", "grpo + entropy bonus + KL"])
+@pytest.mark.parametrize("policy", ["off-policy", "on-policy"])
+def test_all_masked_micro_batch_gives_zero(model_dir, tmp_path, setting, policy):
+    """A micro-batch whose completions are all masked (e.g. every one truncated, with
+    ``mask_truncated_completions``): loss 0 and zero gradients, as TRL's."""
+    from trl import GRPOTrainer
+
+    trainer = build(model_dir, tmp_path, **SETTINGS[setting])
+    batch = make_batch(trainer, seed=10)
+    batch["completion_mask"] = torch.zeros_like(batch["completion_mask"])
+    if policy == "on-policy":
+        del batch["old_per_token_logps"]
+    for compute_loss in (GRPOTrainer._compute_loss, type(trainer)._compute_loss):
+        loss, grads = loss_and_grads(compute_loss, trainer, batch)
+        assert loss.item() == 0
+        assert all((g == 0).all() for g in grads.values())
