@@ -58,7 +58,6 @@ def good():
         (dict(response_mask=torch.ones(B, T - 1, dtype=torch.bool)), ValueError, "response_mask"),
         (dict(response_mask="all"), TypeError, "response_mask"),
         (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
-        (dict(loss_agg_mode="token-sum"), ValueError, "token-sum"),
         (dict(rollout_is_weights=torch.ones(B, T)), ValueError, "rollout_is_weights"),
     ],
 )

@@ -15,8 +15,8 @@ log-ratios N(0, 0.6²) that straddle every clip, the dual clip and geo_mean's lo
 * The probe: verl 0.9.1's conventions, and the conventions of older verls (built from verl's own
   functions with the old aggregation) found, an unreproducible loss, a wrong signature and other
   metrics refused.
-* Unsupported settings raise (``token-sum``, ``rollout_is_weights``, ``dp_size > 1`` without a
-  normalizer) — verl raises for the last one too.
+* Unsupported settings raise (``rollout_is_weights``, ``dp_size > 1`` without a normalizer) — verl
+  raises for the last one too.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 MODES = ("vanilla", "gspo", "sapo", "cispo", "geo_mean", "gpg", "dro")
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 INFOS = {
     "local": {},
     "global-dp1": dict(dp_size=1, batch_num_tokens=97, global_batch_size=23),
@@ -343,13 +343,6 @@ def test_probe_refuses_other_signatures_metrics_and_missing_modes(verl):
 
 
 # --- what is not supported ---
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_token_sum_is_refused_naming_it(verl, mode):
-    fn = verl.core_algos.get_policy_loss_fn(f"rk_{mode}")
-    with pytest.raises(ValueError, match="loss_agg_mode='token-sum' is not supported"):
-        run(fn, make_batch(0), "token-sum", actor_config(verl))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -37,8 +37,8 @@ Metrics are verl's, by verl's definitions (``actor/pg_clipfrac``, ``actor/ppo_kl
 ``actor/pg_clipfrac_lower``; none for gpg): :mod:`.metrics`.
 
 Caveats:
-    * ``loss_agg_mode="token-sum"`` and a non-``None`` ``rollout_is_weights`` raise ``ValueError``:
-      rlkernel has neither yet (docs/integrations/verl.md).
+    * A non-``None`` ``rollout_is_weights`` raises ``ValueError``: rlkernel has no such input yet
+      (docs/integrations/verl.md).
     * A ``dp_size > 1`` without the normalizer of the aggregation raises ``ValueError``, as verl
       0.9.1's ``agg_loss`` does.
 """
@@ -76,11 +76,12 @@ VERL_AGG_MODES = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# The global_batch_info entry each aggregation divides by, as verl's agg_loss does. (token-sum, once
-# rlkernel has it: no normalizer, × dp_size only; add it here and to AGG_MODES.)
-NORMALIZER_OF = {
+AGG_MODES = VERL_AGG_MODES
+# The global_batch_info entry each aggregation divides by, as verl's agg_loss does (token-sum: none,
+# Σ mℓ × dp_size only).
+NORMALIZER_OF: dict[str, str | None] = {
     "token-mean": "batch_num_tokens",
+    "token-sum": None,
     "seq-mean-token-mean": "global_batch_size",
     "seq-mean-token-sum": "global_batch_size",
     "seq-mean-token-sum-norm": "global_batch_size",
@@ -186,6 +187,8 @@ class Convention:
             return Normalizers(SUM_NORM, global_seqs=1, norm_length=info.loss_scale_factor)
         aggregation = self.aggregation or loss_agg_mode
         key = NORMALIZER_OF[aggregation]
+        if key is None:  # token-sum: Σ mℓ, no normalizer, × dp_size
+            return Normalizers(aggregation, scale=info.dp_size)
         value = getattr(info, key)
         if value is None and info.dp_size > 1:
             raise ValueError(
@@ -400,14 +403,7 @@ class ModePlan:
 
 
 def _convention(plan: ModePlan, loss_agg_mode: object) -> Convention:
-    name = plan.mode.name
     check.choice("loss_agg_mode", loss_agg_mode, VERL_AGG_MODES)
-    if loss_agg_mode not in AGG_MODES:  # token-sum
-        raise ValueError(
-            f"loss_agg_mode={loss_agg_mode!r} is not supported by {name} yet: rlkernel has no such "
-            f"aggregation (token-sum: Σ mℓ × dp_size); use another loss_agg_mode, or verl's own "
-            f"loss_mode={plan.mode.verl_name!r}"
-        )
     if loss_agg_mode in plan.refused:
         raise RuntimeError(plan.refused[loss_agg_mode])
     return plan.conventions[loss_agg_mode]
