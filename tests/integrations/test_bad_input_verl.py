@@ -58,7 +58,9 @@ def good():
         (dict(response_mask=torch.ones(B, T - 1, dtype=torch.bool)), ValueError, "response_mask"),
         (dict(response_mask="all"), TypeError, "response_mask"),
         (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
-        (dict(rollout_is_weights=torch.ones(B, T)), ValueError, "rollout_is_weights"),
+        (dict(rollout_is_weights=torch.ones(B, T - 1)), ValueError, "rollout_is_weights"),
+        (dict(rollout_is_weights=torch.ones(B, T, dtype=torch.int64)), TypeError, "rollout_is_weights"),
+        (dict(rollout_is_weights=[[1.0] * T] * B), TypeError, "rollout_is_weights"),
     ],
 )
 @pytest.mark.parametrize("mode", ["rk_vanilla", "rk_gspo", "rk_geo_mean"])

@@ -15,8 +15,8 @@ log-ratios N(0, 0.6²) that straddle every clip, the dual clip and geo_mean's lo
 * The probe: verl 0.9.1's conventions, and the conventions of older verls (built from verl's own
   functions with the old aggregation) found, an unreproducible loss, a wrong signature and other
   metrics refused.
-* Unsupported settings raise (``rollout_is_weights``, ``dp_size > 1`` without a normalizer) — verl
-  raises for the last one too.
+* ``rollout_is_weights``: random weights, every mode and aggregation, as verl.
+* ``dp_size > 1`` without a normalizer raises, as verl does.
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def assert_same(ours, theirs, dtype=torch.float32):
         assert metrics[name] == pytest.approx(value, abs=1e-6), name
 
 
-def compare(verl, mode, batch, agg, config, dtype=torch.float32):
+def compare(verl, mode, batch, agg, config, dtype=torch.float32, weights=None):
     fn = verl.core_algos.get_policy_loss_fn(f"rk_{mode}")
-    ours = run(fn, batch, agg, config)
-    theirs = run(verl.core_algos.get_policy_loss_fn(mode), batch, agg, config)
+    ours = run(fn, batch, agg, config, weights)
+    theirs = run(verl.core_algos.get_policy_loss_fn(mode), batch, agg, config, weights)
     assert_same(ours, theirs, dtype)
     return ours, theirs
 
@@ -346,11 +346,20 @@ def test_probe_refuses_other_signatures_metrics_and_missing_modes(verl):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_rollout_is_weights_are_refused(verl, mode):
-    fn = verl.core_algos.get_policy_loss_fn(f"rk_{mode}")
-    weights = torch.rand(6, 11) + 0.5
-    with pytest.raises(ValueError, match="rollout_is_weights is not supported"):
-        run(fn, make_batch(0), "token-mean", actor_config(verl), weights=weights)
+def test_rollout_is_weights_match_verl(verl, mode):
+    """verl's ``rollout_is_weights`` (random in [0, 2), garbage at masked positions) multiply the
+    policy term as in verl (geo_mean: folded per sequence by the geometric mean)."""
+    g = torch.Generator().manual_seed(40 + MODES.index(mode))
+    for agg, info in itertools.product(AGGS, ("local", "global-dp4")):
+        batch = make_batch(50 + AGGS.index(agg), advantages="seq" if agg == "token-sum" else "token")
+        weights = 2 * torch.rand(6, 11, generator=g)
+        weights[~batch[3]] = 7.0
+        ours, theirs = compare(verl, mode, batch, agg, actor_config(verl, INFOS[info]), weights=weights)
+        config = actor_config(verl, INFOS[info])
+        plain = run(verl.core_algos.get_policy_loss_fn(f"rk_{mode}"), batch, agg, config)
+        assert not torch.allclose(plain[2], ours[2])  # the weights do change the gradient
+
+
 
 
 @pytest.mark.parametrize(
