@@ -29,7 +29,9 @@ import itertools
 import pytest
 import torch
 
-MODES = ("vanilla", "gspo", "sapo", "cispo", "geo_mean", "gpg", "dro")
+MODES = (
+    "vanilla", "gspo", "sapo", "cispo", "geo_mean", "gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"
+)  # fmt: skip
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 INFOS = {
     "local": {},
@@ -41,6 +43,11 @@ INFOS = {
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 SETTINGS = dict(
     clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05
+)
+# verl's policy_loss settings (its PolicyLossConfig): dro's β, and covariance windows and ratios that
+# select tokens on these batches (verl's defaults, 2e-4 of the tokens in [1, 5], select none).
+POLICY = dict(
+    dro_beta=0.1, clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=0.8, kl_cov_ratio=0.2, ppo_kl_coef=0.7
 )
 
 
@@ -59,31 +66,36 @@ def make_batch(seed: int, *, advantages: str = "token", dtype=torch.float32, B: 
     return old, log_prob, adv, mask
 
 
-def actor_config(verl, info=None, dro_beta=0.1, **settings):
+def actor_config(verl, info=None, **settings):
+    """verl's ActorConfig: the settings of :data:`POLICY` go to its PolicyLossConfig, the others to it."""
+    policy = {k: settings.pop(k, v) for k, v in POLICY.items()}
     return verl.ActorConfig(
         strategy="fsdp",
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
         global_batch_info=dict(info or {}),
-        policy_loss=verl.PolicyLossConfig(dro_beta=dro_beta),
+        policy_loss=verl.PolicyLossConfig(**policy),
         **{**SETTINGS, **settings},
     )
 
 
-def run(fn, batch, agg, config, weights=None):
+def run(fn, batch, agg, config, weights=None, seed=0):
     """``(loss, metrics, d loss / d log_prob)`` of a verl policy-loss function (called as verl's actor
-    calls it: by keyword)."""
+    calls it: by keyword), torch's default generator seeded with ``seed`` (clip_cov's random draw:
+    verl's and ours select the same tokens), in a forked RNG state."""
     old, log_prob, adv, mask = batch
     x = log_prob.clone().requires_grad_(True)
-    loss, metrics = fn(
-        old_log_prob=old,
-        log_prob=x,
-        advantages=adv,
-        response_mask=mask,
-        loss_agg_mode=agg,
-        config=config,
-        rollout_is_weights=weights,
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss, metrics = fn(
+            old_log_prob=old,
+            log_prob=x,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode=agg,
+            config=config,
+            rollout_is_weights=weights,
+        )
     (grad,) = torch.autograd.grad(loss, x)
     return loss, metrics, grad
 
@@ -132,6 +144,15 @@ SWEEP = [
     ("gpg", dict(clip_ratio_c=7.0)),  # read by nobody
     ("dro", dict(dro_beta=0.01)),
     ("dro", dict(dro_beta=2.5)),
+    ("dppo_tv", dict(clip_ratio_low=0.04, clip_ratio_high=0.06, clip_ratio_c=1.3)),  # TV thresholds
+    ("dppo_tv", dict(clip_ratio=0.1, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=20.0)),
+    ("dppo_kl", dict(clip_ratio_low=0.01, clip_ratio_high=0.015, clip_ratio_c=3.0)),  # KL thresholds
+    ("dppo_kl", dict(clip_ratio_low=0.05, clip_ratio_high=0.2, clip_ratio_c=1.1)),
+    ("clip_cov", dict(clip_cov_ratio=0.05, clip_cov_lb=-0.2, clip_cov_ub=0.5)),
+    ("clip_cov", dict(clip_cov_ratio=1.0, clip_cov_lb=-5.0, clip_cov_ub=5.0, clip_ratio_high=0.1)),
+    ("clip_cov", dict(clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0)),  # verl's defaults
+    ("kl_cov", dict(kl_cov_ratio=0.5, ppo_kl_coef=2.0)),
+    ("kl_cov", dict(kl_cov_ratio=2e-4, ppo_kl_coef=0.1)),  # verl's defaults: one token
 ]
 
 
@@ -237,6 +258,42 @@ def test_probe_finds_verl_0_9_1s_conventions(verl):
         plan = verl.integration.PLANS[f"rk_{mode}"]
         assert plan.unavailable is None and not plan.refused
         assert dict(plan.conventions) == expected[mode], mode
+
+
+def test_the_new_modes_select_tokens_as_verl(verl):
+    """The comparisons above are not vacuous: clip_cov cuts tokens (a fraction in (0, 1)) and which ones
+    depends on the seed, identically in verl and rk_clip_cov; kl_cov's penalty changes the loss;
+    dppo's trust region masks tokens and its cap truncates ratios."""
+    batch = make_batch(61)
+    config = actor_config(verl, INFOS["global-dp1"])
+    losses = []
+    for seed in range(4):
+        fn = verl.core_algos.get_policy_loss_fn("rk_clip_cov")
+        ours = run(fn, batch, "token-mean", config, seed=seed)
+        theirs = run(verl.core_algos.get_policy_loss_fn("clip_cov"), batch, "token-mean", config, seed=seed)
+        assert_same(ours, theirs)
+        assert 0 < theirs[1]["actor/pg_clipfrac"] < 1
+        losses.append(theirs[0].item())
+    assert len(set(losses)) > 1  # the draw matters, and both drew the same tokens each time
+    kl_cov = verl.core_algos.get_policy_loss_fn("rk_kl_cov")
+    no_penalty = run(kl_cov, batch, "token-mean", actor_config(verl, ppo_kl_coef=0.0))[0]
+    assert not torch.isclose(run(kl_cov, batch, "token-mean", actor_config(verl))[0], no_penalty)
+    for mode in ("dppo_tv", "dppo_kl"):
+        config = actor_config(verl, clip_ratio_low=0.02, clip_ratio_high=0.03, clip_ratio_c=1.3)
+        metrics = compare(verl, mode, batch, "token-mean", config)[1][1]
+        assert 0 < metrics["actor/pg_clipfrac"] < 1 and metrics["actor/pg_clipfrac_lower"] > 0, mode
+
+
+def test_the_probe_leaves_the_default_generator_alone(verl):
+    """clip_cov's probe seeds torch's default generator before each call, in a forked RNG state."""
+    from rlkernel.integrations.verl import losses, probe
+
+    row = next(r for r in losses.LOSS_MODES if r.verl_name == "clip_cov")
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    plan = probe.plan_mode(row, verl.core_algos.POLICY_LOSS_REGISTRY["clip_cov"], _make_config(verl), "test")
+    assert plan.unavailable is None and set(plan.conventions) == set(AGGS)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 # --- the probe on the conventions of older verls, built from verl 0.9.1's own functions ---

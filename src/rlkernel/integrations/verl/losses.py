@@ -19,6 +19,14 @@ dict of Python floats. :func:`make_policy_loss_fn` builds such a function for on
     geo_mean         loss_type="gmpo"                     clip_ratio(_low/_high)
     gpg              loss_type="reinforce"                —
     dro              loss_type="dro", dro_beta=β           policy_loss.dro_beta
+    dppo_tv          loss_type="dppo_tv", dppo_ratio_cap=c  clip_ratio(_low/_high), clip_ratio_c (c)
+    dppo_kl          loss_type="dppo_kl", dppo_ratio_cap=c  clip_ratio(_low/_high), clip_ratio_c (c)
+    clip_cov         loss_type="clip_cov"                 clip_ratio(_low/_high), policy_loss.clip_cov_ratio,
+                                                          clip_cov_lb, clip_cov_ub
+    kl_cov           loss_type="kl_cov"                   policy_loss.kl_cov_ratio, ppo_kl_coef (kl_cov_coef)
+
+(clip_cov draws its tokens from torch's default CPU generator as verl's does: the same seed, the same
+tokens.)
 
 A further verl mode is one more :class:`LossMode` row (its loss type, the settings it reads, verl's
 metrics of it); the registration probes it like the others (:mod:`.probe`).
@@ -250,6 +258,32 @@ def _dro_fields(config: Any) -> dict[str, Any]:
     return dict(dro_beta=beta)
 
 
+def _dppo_fields(config: Any) -> dict[str, Any]:
+    # verl reads config.get("clip_ratio_c", 20.0): ActorConfig's default 3.0, 20.0 for a config without it
+    return dict(_clip_bounds(config), dppo_ratio_cap=setting(config, "clip_ratio_c", 20.0))
+
+
+def _nested(config: Any, name: str, default: float) -> Any:
+    """``config.policy_loss.<name>``, verl's fallback when ``None`` (as its covariance losses read it)."""
+    value = setting(setting(config, "policy_loss", {}), name)
+    return default if value is None else value
+
+
+def _clip_cov_fields(config: Any) -> dict[str, Any]:
+    return dict(
+        _clip_bounds(config),
+        clip_cov_ratio=_nested(config, "clip_cov_ratio", 2e-4),
+        clip_cov_lb=_nested(config, "clip_cov_lb", 1.0),
+        clip_cov_ub=_nested(config, "clip_cov_ub", 5.0),
+    )
+
+
+def _kl_cov_fields(config: Any) -> dict[str, Any]:
+    return dict(
+        kl_cov_ratio=_nested(config, "kl_cov_ratio", 2e-4), kl_cov_coef=_nested(config, "ppo_kl_coef", 1.0)
+    )
+
+
 _CLIP_KEYS = {"clip_low": "clip_ratio_low (or clip_ratio)", "clip_high": "clip_ratio_high (or clip_ratio)"}
 
 
@@ -286,6 +320,26 @@ LOSS_MODES: tuple[LossMode, ...] = (
     LossMode("geo_mean", "gmpo", _clip_bounds, _CLIP_KEYS, metrics.geo_mean),
     LossMode("gpg", "reinforce", _no_fields, {}, metrics.gpg),
     LossMode("dro", "dro", _dro_fields, {"dro_beta": "policy_loss.dro_beta"}, metrics.dro),
+    LossMode(
+        "dppo_tv", "dppo_tv", _dppo_fields, {**_CLIP_KEYS, "dppo_ratio_cap": "clip_ratio_c"}, metrics.dppo_tv
+    ),
+    LossMode(
+        "dppo_kl", "dppo_kl", _dppo_fields, {**_CLIP_KEYS, "dppo_ratio_cap": "clip_ratio_c"}, metrics.dppo_kl
+    ),
+    LossMode(
+        "clip_cov",
+        "clip_cov",
+        _clip_cov_fields,
+        {**_CLIP_KEYS, **{k: f"policy_loss.{k}" for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")}},
+        metrics.clip_cov,
+    ),
+    LossMode(
+        "kl_cov",
+        "kl_cov",
+        _kl_cov_fields,
+        {"kl_cov_ratio": "policy_loss.kl_cov_ratio", "kl_cov_coef": "policy_loss.ppo_kl_coef"},
+        metrics.kl_cov,
+    ),
 )
 
 
@@ -391,7 +445,12 @@ def compute(
     )
     loss = out.loss if norm.scale == 1 else out.loss * norm.scale
     detached = MetricInputs(
-        batch.old_log_prob.detach(), batch.log_prob.detach(), batch.advantages.detach(), batch.mask, cfg
+        batch.old_log_prob.detach(),
+        batch.log_prob.detach(),
+        batch.advantages.detach(),
+        batch.mask,
+        cfg,
+        out.metrics,
     )
     return loss, mode.metrics(detached)
 
