@@ -11,6 +11,9 @@ log-ratios N(0, 0.6²) that straddle every clip, the dual clip and geo_mean's lo
   same metric names in the same order, values within 1e-6.
 * Each mode's settings (clip fallbacks, dual clip, temperatures, recipe bounds), float64, extreme
   ratios (verl's clamps), masks given as int/float, an all-masked micro-batch.
+* clip_cov's random cut: torch's default generator seeded alike before both calls (every call of
+  :func:`run`); several seeds change the loss and both cut the same tokens each time. The probe leaves
+  the caller's generator state alone.
 * The registry: names, verl's signature and defaults, ``get_policy_loss_fn``.
 * The probe: verl 0.9.1's conventions, and the conventions of older verls (built from verl's own
   functions with the old aggregation) found, an unreproducible loss, a wrong signature and other
