@@ -7,10 +7,11 @@ Importing ``rlkernel.integrations.verl`` registers the ``rk_*`` losses in verl's
 verl's workers import it through ``actor_rollout_ref.model.external_lib`` (examples/
 verl_config_snippet.yaml). For each registered mode and each ``loss_agg_mode``, this script runs
 ``rk_<mode>`` and verl's ``<mode>`` the way verl's actor calls them — one micro-batch of a
-data-parallel rank, with the mini-batch's ``global_batch_info`` — and prints the loss, |Δloss| and
-max |Δ∂loss/∂log_prob|. Then it runs a tiny random Llama's fused forward both ways (verl's ``torch``
-backend and ``impl_backend: rlkernel``) and prints the largest differences of the log-probs, the
-entropy and the LM-head gradient.
+data-parallel rank, with the mini-batch's ``global_batch_info`` and random ``rollout_is_weights``,
+torch's generator seeded alike before both (clip_cov draws its cut tokens from it) — and prints
+the loss, |Δloss| and max |Δ∂loss/∂log_prob|. Then it runs a tiny random Llama's fused forward both
+ways (verl's ``torch`` backend and ``impl_backend: rlkernel``) and prints the largest differences of
+the log-probs, the entropy and the LM-head gradient.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 
 import rlkernel.integrations.verl as rk_verl  # registers rk_* in verl's policy-loss registry
 
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 
 
 def batch(seed: int = 0, B: int = 8, T: int = 32):
@@ -48,19 +49,25 @@ def actor_config() -> ActorConfig:
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
         clip_ratio_c=10.0,
-        policy_loss=PolicyLossConfig(dro_beta=0.1),
+        # dro's β; clip_cov / kl_cov windows and ratios that select tokens here (verl's defaults,
+        # 2e-4 of the tokens in a covariance window [1, 5], select almost none on a small batch)
+        policy_loss=PolicyLossConfig(
+            dro_beta=0.1, clip_cov_ratio=0.1, clip_cov_lb=-0.5, clip_cov_ub=0.8, kl_cov_ratio=0.1
+        ),
         global_batch_info=dict(dp_size=2, batch_num_tokens=560, global_batch_size=32, loss_scale_factor=64),
     )
 
 
 def losses() -> None:
     old_log_prob, log_prob, advantages, mask = batch()
+    weights = 0.5 + torch.rand(mask.shape, generator=torch.Generator().manual_seed(2))  # rollout IS
     config = actor_config()
     for name in rk_verl.RK_LOSSES:
         for agg in AGGS:
             results = []
             for mode in (name, name.removeprefix("rk_")):
                 x = log_prob.clone().requires_grad_(True)
+                torch.manual_seed(0)  # the same clip_cov draw in both
                 loss, metrics = core_algos.get_policy_loss_fn(mode)(
                     old_log_prob=old_log_prob,
                     log_prob=x,
@@ -68,7 +75,7 @@ def losses() -> None:
                     response_mask=mask,
                     loss_agg_mode=agg,
                     config=config,
-                    rollout_is_weights=None,
+                    rollout_is_weights=weights,
                 )
                 loss.backward()
                 results.append((loss.detach(), x.grad, metrics))

@@ -19,16 +19,20 @@ COVERED = [
 B, T = 3, 5
 
 
+POLICY = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+
+
 def config(verl, info=None, dro_beta=0.1, **settings):
     base = dict(
         clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05
     )
+    policy = {k: settings.pop(k) for k in POLICY if k in settings}  # verl's PolicyLossConfig fields
     return verl.ActorConfig(
         strategy="fsdp",
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
         global_batch_info=dict(info or {}),
-        policy_loss=verl.PolicyLossConfig(dro_beta=dro_beta),
+        policy_loss=verl.PolicyLossConfig(dro_beta=dro_beta, **policy),
         **{**base, **settings},
     )
 
@@ -58,11 +62,12 @@ def good():
         (dict(response_mask=torch.ones(B, T - 1, dtype=torch.bool)), ValueError, "response_mask"),
         (dict(response_mask="all"), TypeError, "response_mask"),
         (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
-        (dict(loss_agg_mode="token-sum"), ValueError, "token-sum"),
-        (dict(rollout_is_weights=torch.ones(B, T)), ValueError, "rollout_is_weights"),
+        (dict(rollout_is_weights=torch.ones(B, T - 1)), ValueError, "rollout_is_weights"),
+        (dict(rollout_is_weights=torch.ones(B, T, dtype=torch.int64)), TypeError, "rollout_is_weights"),
+        (dict(rollout_is_weights=[[1.0] * T] * B), TypeError, "rollout_is_weights"),
     ],
 )
-@pytest.mark.parametrize("mode", ["rk_vanilla", "rk_gspo", "rk_geo_mean"])
+@pytest.mark.parametrize("mode", ["rk_vanilla", "rk_gspo", "rk_geo_mean", "rk_clip_cov", "rk_dppo_kl"])
 def test_loss_refuses_bad_tensors(verl, mode, change, error, match):
     fn = verl.core_algos.get_policy_loss_fn(mode)
     with pytest.raises(error, match=match):
@@ -91,6 +96,14 @@ def test_loss_refuses_bad_tensors(verl, mode, change, error, match):
         ("rk_dro", dict(dro_beta=None), None, TypeError, "dro_beta"),
         ("rk_dro", dict(dro_beta=0.0), None, ValueError, "dro_beta"),
         ("rk_dro", dict(dro_beta=-1.0), None, ValueError, "dro_beta"),
+        ("rk_dppo_tv", dict(clip_ratio_c=0.0), None, ValueError, "clip_ratio_c"),
+        ("rk_dppo_kl", dict(clip_ratio_low=-0.01), None, ValueError, "clip_ratio_low"),
+        ("rk_clip_cov", dict(clip_cov_ratio=0.0), None, ValueError, "clip_cov_ratio"),
+        ("rk_clip_cov", dict(clip_cov_ratio=1.5), None, ValueError, "clip_cov_ratio"),
+        ("rk_clip_cov", dict(clip_cov_lb=2.0, clip_cov_ub=1.0), None, ValueError, "clip_cov_lb"),
+        ("rk_kl_cov", dict(kl_cov_ratio=-0.1), None, ValueError, "kl_cov_ratio"),
+        ("rk_kl_cov", dict(ppo_kl_coef=-1.0), None, ValueError, "ppo_kl_coef"),
+        ("rk_kl_cov", dict(ppo_kl_coef="0.1"), None, TypeError, "ppo_kl_coef"),
     ],
 )
 def test_loss_refuses_bad_settings(verl, mode, settings, info, error, match):

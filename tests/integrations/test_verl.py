@@ -11,12 +11,15 @@ log-ratios N(0, 0.6²) that straddle every clip, the dual clip and geo_mean's lo
   same metric names in the same order, values within 1e-6.
 * Each mode's settings (clip fallbacks, dual clip, temperatures, recipe bounds), float64, extreme
   ratios (verl's clamps), masks given as int/float, an all-masked micro-batch.
+* clip_cov's random cut: torch's default generator seeded alike before both calls (every call of
+  :func:`run`); several seeds change the loss and both cut the same tokens each time. The probe leaves
+  the caller's generator state alone.
 * The registry: names, verl's signature and defaults, ``get_policy_loss_fn``.
 * The probe: verl 0.9.1's conventions, and the conventions of older verls (built from verl's own
   functions with the old aggregation) found, an unreproducible loss, a wrong signature and other
   metrics refused.
-* Unsupported settings raise (``token-sum``, ``rollout_is_weights``, ``dp_size > 1`` without a
-  normalizer) — verl raises for the last one too.
+* ``rollout_is_weights``: random weights, every mode and aggregation, as verl.
+* ``dp_size > 1`` without a normalizer raises, as verl does.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import itertools
 import pytest
 import torch
 
-MODES = ("vanilla", "gspo", "sapo", "cispo", "geo_mean", "gpg", "dro")
-AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+MODES = (
+    "vanilla", "gspo", "sapo", "cispo", "geo_mean", "gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"
+)  # fmt: skip
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 INFOS = {
     "local": {},
     "global-dp1": dict(dp_size=1, batch_num_tokens=97, global_batch_size=23),
@@ -41,6 +46,11 @@ INFOS = {
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 SETTINGS = dict(
     clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05
+)
+# verl's policy_loss settings (its PolicyLossConfig): dro's β, and covariance windows and ratios that
+# select tokens on these batches (verl's defaults, 2e-4 of the tokens in [1, 5], select none).
+POLICY = dict(
+    dro_beta=0.1, clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=0.8, kl_cov_ratio=0.2, ppo_kl_coef=0.7
 )
 
 
@@ -59,31 +69,36 @@ def make_batch(seed: int, *, advantages: str = "token", dtype=torch.float32, B: 
     return old, log_prob, adv, mask
 
 
-def actor_config(verl, info=None, dro_beta=0.1, **settings):
+def actor_config(verl, info=None, **settings):
+    """verl's ActorConfig: the settings of :data:`POLICY` go to its PolicyLossConfig, the others to it."""
+    policy = {k: settings.pop(k, v) for k, v in POLICY.items()}
     return verl.ActorConfig(
         strategy="fsdp",
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
         global_batch_info=dict(info or {}),
-        policy_loss=verl.PolicyLossConfig(dro_beta=dro_beta),
+        policy_loss=verl.PolicyLossConfig(**policy),
         **{**SETTINGS, **settings},
     )
 
 
-def run(fn, batch, agg, config, weights=None):
+def run(fn, batch, agg, config, weights=None, seed=0):
     """``(loss, metrics, d loss / d log_prob)`` of a verl policy-loss function (called as verl's actor
-    calls it: by keyword)."""
+    calls it: by keyword), torch's default generator seeded with ``seed`` (clip_cov's random draw:
+    verl's and ours select the same tokens), in a forked RNG state."""
     old, log_prob, adv, mask = batch
     x = log_prob.clone().requires_grad_(True)
-    loss, metrics = fn(
-        old_log_prob=old,
-        log_prob=x,
-        advantages=adv,
-        response_mask=mask,
-        loss_agg_mode=agg,
-        config=config,
-        rollout_is_weights=weights,
-    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss, metrics = fn(
+            old_log_prob=old,
+            log_prob=x,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode=agg,
+            config=config,
+            rollout_is_weights=weights,
+        )
     (grad,) = torch.autograd.grad(loss, x)
     return loss, metrics, grad
 
@@ -101,10 +116,10 @@ def assert_same(ours, theirs, dtype=torch.float32):
         assert metrics[name] == pytest.approx(value, abs=1e-6), name
 
 
-def compare(verl, mode, batch, agg, config, dtype=torch.float32):
+def compare(verl, mode, batch, agg, config, dtype=torch.float32, weights=None):
     fn = verl.core_algos.get_policy_loss_fn(f"rk_{mode}")
-    ours = run(fn, batch, agg, config)
-    theirs = run(verl.core_algos.get_policy_loss_fn(mode), batch, agg, config)
+    ours = run(fn, batch, agg, config, weights)
+    theirs = run(verl.core_algos.get_policy_loss_fn(mode), batch, agg, config, weights)
     assert_same(ours, theirs, dtype)
     return ours, theirs
 
@@ -132,6 +147,15 @@ SWEEP = [
     ("gpg", dict(clip_ratio_c=7.0)),  # read by nobody
     ("dro", dict(dro_beta=0.01)),
     ("dro", dict(dro_beta=2.5)),
+    ("dppo_tv", dict(clip_ratio_low=0.04, clip_ratio_high=0.06, clip_ratio_c=1.3)),  # TV thresholds
+    ("dppo_tv", dict(clip_ratio=0.1, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=20.0)),
+    ("dppo_kl", dict(clip_ratio_low=0.01, clip_ratio_high=0.015, clip_ratio_c=3.0)),  # KL thresholds
+    ("dppo_kl", dict(clip_ratio_low=0.05, clip_ratio_high=0.2, clip_ratio_c=1.1)),
+    ("clip_cov", dict(clip_cov_ratio=0.05, clip_cov_lb=-0.2, clip_cov_ub=0.5)),
+    ("clip_cov", dict(clip_cov_ratio=1.0, clip_cov_lb=-5.0, clip_cov_ub=5.0, clip_ratio_high=0.1)),
+    ("clip_cov", dict(clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0)),  # verl's defaults
+    ("kl_cov", dict(kl_cov_ratio=0.5, ppo_kl_coef=2.0)),
+    ("kl_cov", dict(kl_cov_ratio=2e-4, ppo_kl_coef=0.1)),  # verl's defaults: one token
 ]
 
 
@@ -237,6 +261,42 @@ def test_probe_finds_verl_0_9_1s_conventions(verl):
         plan = verl.integration.PLANS[f"rk_{mode}"]
         assert plan.unavailable is None and not plan.refused
         assert dict(plan.conventions) == expected[mode], mode
+
+
+def test_the_new_modes_select_tokens_as_verl(verl):
+    """The comparisons above are not vacuous: clip_cov cuts tokens (a fraction in (0, 1)) and which ones
+    depends on the seed, identically in verl and rk_clip_cov; kl_cov's penalty changes the loss;
+    dppo's trust region masks tokens and its cap truncates ratios."""
+    batch = make_batch(61)
+    config = actor_config(verl, INFOS["global-dp1"])
+    losses = []
+    for seed in range(4):
+        fn = verl.core_algos.get_policy_loss_fn("rk_clip_cov")
+        ours = run(fn, batch, "token-mean", config, seed=seed)
+        theirs = run(verl.core_algos.get_policy_loss_fn("clip_cov"), batch, "token-mean", config, seed=seed)
+        assert_same(ours, theirs)
+        assert 0 < theirs[1]["actor/pg_clipfrac"] < 1
+        losses.append(theirs[0].item())
+    assert len(set(losses)) > 1  # the draw matters, and both drew the same tokens each time
+    kl_cov = verl.core_algos.get_policy_loss_fn("rk_kl_cov")
+    no_penalty = run(kl_cov, batch, "token-mean", actor_config(verl, ppo_kl_coef=0.0))[0]
+    assert not torch.isclose(run(kl_cov, batch, "token-mean", actor_config(verl))[0], no_penalty)
+    for mode in ("dppo_tv", "dppo_kl"):
+        config = actor_config(verl, clip_ratio_low=0.02, clip_ratio_high=0.03, clip_ratio_c=1.3)
+        metrics = compare(verl, mode, batch, "token-mean", config)[1][1]
+        assert 0 < metrics["actor/pg_clipfrac"] < 1 and metrics["actor/pg_clipfrac_lower"] > 0, mode
+
+
+def test_the_probe_leaves_the_default_generator_alone(verl):
+    """clip_cov's probe seeds torch's default generator before each call, in a forked RNG state."""
+    from rlkernel.integrations.verl import losses, probe
+
+    row = next(r for r in losses.LOSS_MODES if r.verl_name == "clip_cov")
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    plan = probe.plan_mode(row, verl.core_algos.POLICY_LOSS_REGISTRY["clip_cov"], _make_config(verl), "test")
+    assert plan.unavailable is None and set(plan.conventions) == set(AGGS)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 # --- the probe on the conventions of older verls, built from verl 0.9.1's own functions ---
@@ -346,18 +406,20 @@ def test_probe_refuses_other_signatures_metrics_and_missing_modes(verl):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_token_sum_is_refused_naming_it(verl, mode):
-    fn = verl.core_algos.get_policy_loss_fn(f"rk_{mode}")
-    with pytest.raises(ValueError, match="loss_agg_mode='token-sum' is not supported"):
-        run(fn, make_batch(0), "token-sum", actor_config(verl))
+def test_rollout_is_weights_match_verl(verl, mode):
+    """verl's ``rollout_is_weights`` (random in [0, 2), garbage at masked positions) multiply the
+    policy term as in verl (geo_mean: folded per sequence by the geometric mean)."""
+    g = torch.Generator().manual_seed(40 + MODES.index(mode))
+    for agg, info in itertools.product(AGGS, ("local", "global-dp4")):
+        batch = make_batch(50 + AGGS.index(agg), advantages="seq" if agg == "token-sum" else "token")
+        weights = 2 * torch.rand(6, 11, generator=g)
+        weights[~batch[3]] = 7.0
+        ours, theirs = compare(verl, mode, batch, agg, actor_config(verl, INFOS[info]), weights=weights)
+        config = actor_config(verl, INFOS[info])
+        plain = run(verl.core_algos.get_policy_loss_fn(f"rk_{mode}"), batch, agg, config)
+        assert not torch.allclose(plain[2], ours[2])  # the weights do change the gradient
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_rollout_is_weights_are_refused(verl, mode):
-    fn = verl.core_algos.get_policy_loss_fn(f"rk_{mode}")
-    weights = torch.rand(6, 11) + 0.5
-    with pytest.raises(ValueError, match="rollout_is_weights is not supported"):
-        run(fn, make_batch(0), "token-mean", actor_config(verl), weights=weights)
 
 
 @pytest.mark.parametrize(

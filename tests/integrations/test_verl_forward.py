@@ -171,7 +171,7 @@ def test_the_example_runs_and_agrees(verl, capsys):
     runpy.run_path(str(path), run_name="__main__")
     rows = capsys.readouterr().out.strip().splitlines()
     losses, forward = rows[:-1], rows[-1]
-    assert len(losses) == len(verl.integration.RK_LOSSES) * 4, rows
+    assert len(losses) == len(verl.integration.RK_LOSSES) * 5, rows
     for row in losses:
         assert row.endswith("metrics equal True"), row
         assert float(re.search(r"\|Δloss\| (\S+)", row).group(1)) <= 1e-6, row

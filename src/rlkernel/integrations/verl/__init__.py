@@ -11,6 +11,7 @@ Importing this package (it imports verl) does two things, once per process
    raises a ``RuntimeError`` saying so when called. :data:`PLANS` records what was found.
 
        rk_vanilla  rk_gspo  rk_sapo  rk_cispo  rk_geo_mean  rk_gpg  rk_dro
+       rk_dppo_tv  rk_dppo_kl  rk_clip_cov  rk_kl_cov
 
 2. **Fused forward.** It wraps verl's ``patch_forward_with_backends`` so that
    ``fused_kernel_options.impl_backend: rlkernel`` (with ``use_fused_kernels: true``) makes the
@@ -23,8 +24,8 @@ verl's workers import it when the config names it:
     actor_rollout_ref.actor.policy_loss.loss_mode=rk_vanilla
 
 Tested with verl 0.9.1 (:data:`TESTED_VERSIONS`; CI compares every mode and aggregation with its
-code). Not registered yet (each is one :data:`LOSS_MODES` row once rlkernel has the objective):
-``dppo_tv``, ``dppo_kl``, ``clip_cov``, ``kl_cov``, ``bypass_mode``.
+code). Not registered yet: ``bypass_mode`` (it computes rollout weights and rejection masks inside
+the loss).
 
 Raises (at import):
     ImportError: verl (or what its package imports: ray, tensordict) is not installed.

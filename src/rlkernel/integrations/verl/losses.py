@@ -18,8 +18,15 @@ dict of Python floats. :func:`make_policy_loss_fn` builds such a function for on
     cispo            loss_type="cispo"                    clip_ratio(_low/_high)
     geo_mean         loss_type="gmpo"                     clip_ratio(_low/_high)
     gpg              loss_type="reinforce"                —
-    dro              loss_type="reinforce", kl_coef=β,     policy_loss.dro_beta
-                     kl_estimator="k2" against old_log_prob
+    dro              loss_type="dro", dro_beta=β           policy_loss.dro_beta
+    dppo_tv          loss_type="dppo_tv", dppo_ratio_cap=c  clip_ratio(_low/_high), clip_ratio_c (c)
+    dppo_kl          loss_type="dppo_kl", dppo_ratio_cap=c  clip_ratio(_low/_high), clip_ratio_c (c)
+    clip_cov         loss_type="clip_cov"                 clip_ratio(_low/_high), policy_loss.clip_cov_ratio,
+                                                          clip_cov_lb, clip_cov_ub
+    kl_cov           loss_type="kl_cov"                   policy_loss.kl_cov_ratio, ppo_kl_coef (kl_cov_coef)
+
+(clip_cov draws its tokens from torch's default CPU generator as verl's does: the same seed, the same
+tokens.)
 
 A further verl mode is one more :class:`LossMode` row (its loss type, the settings it reads, verl's
 metrics of it); the registration probes it like the others (:mod:`.probe`).
@@ -36,9 +43,11 @@ the probe at registration (verl's releases differ here):
 Metrics are verl's, by verl's definitions (``actor/pg_clipfrac``, ``actor/ppo_kl``,
 ``actor/pg_clipfrac_lower``; none for gpg): :mod:`.metrics`.
 
+``rollout_is_weights`` (verl's detached per-token rollout importance weights, ``[B, T]``) is passed as
+:func:`policy_loss`'s ``rollout_weights``: it multiplies the policy term per token as in verl (gmpo:
+folded per sequence by the geometric mean, as verl's geo_mean does).
+
 Caveats:
-    * ``loss_agg_mode="token-sum"`` and a non-``None`` ``rollout_is_weights`` raise ``ValueError``:
-      rlkernel has neither yet (docs/integrations/verl.md).
     * A ``dp_size > 1`` without the normalizer of the aggregation raises ``ValueError``, as verl
       0.9.1's ``agg_loss`` does.
 """
@@ -76,11 +85,12 @@ VERL_AGG_MODES = (
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
 )
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# The global_batch_info entry each aggregation divides by, as verl's agg_loss does. (token-sum, once
-# rlkernel has it: no normalizer, × dp_size only; add it here and to AGG_MODES.)
-NORMALIZER_OF = {
+AGG_MODES = VERL_AGG_MODES
+# The global_batch_info entry each aggregation divides by, as verl's agg_loss does (token-sum: none,
+# Σ mℓ × dp_size only).
+NORMALIZER_OF: dict[str, str | None] = {
     "token-mean": "batch_num_tokens",
+    "token-sum": None,
     "seq-mean-token-mean": "global_batch_size",
     "seq-mean-token-sum": "global_batch_size",
     "seq-mean-token-sum-norm": "global_batch_size",
@@ -186,6 +196,8 @@ class Convention:
             return Normalizers(SUM_NORM, global_seqs=1, norm_length=info.loss_scale_factor)
         aggregation = self.aggregation or loss_agg_mode
         key = NORMALIZER_OF[aggregation]
+        if key is None:  # token-sum: Σ mℓ, no normalizer, × dp_size
+            return Normalizers(aggregation, scale=info.dp_size)
         value = getattr(info, key)
         if value is None and info.dp_size > 1:
             raise ValueError(
@@ -235,12 +247,41 @@ def _no_fields(config: Any) -> dict[str, Any]:
 
 
 def _dro_fields(config: Any) -> dict[str, Any]:
-    """DRO's −(A·logp − β/2·lr²) is reinforce plus β × k2(logp, old_log_prob) (k2 = d²/2)."""
+    """DRO's −(A·logp − β/2·lr²): rlkernel's ``dro`` (the whole term weighted by rollout weights, as
+    verl's)."""
     beta = setting(setting(config, "policy_loss", {}), "dro_beta")
-    if isinstance(beta, (int, float)) and not isinstance(beta, bool) and not beta > 0:
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool):
+        raise TypeError(f"policy_loss.dro_beta must be a number > 0 for loss_mode dro, got {beta!r}")
+    if not beta > 0:
         # verl raises this too (a 0 or negative β would be a plain reinforce, or a reward for drift)
         raise ValueError(f"policy_loss.dro_beta must be > 0 for loss_mode dro, got {beta!r}")
-    return dict(kl_coef=beta, kl_estimator="k2")
+    return dict(dro_beta=beta)
+
+
+def _dppo_fields(config: Any) -> dict[str, Any]:
+    # verl reads config.get("clip_ratio_c", 20.0): ActorConfig's default 3.0, 20.0 for a config without it
+    return dict(_clip_bounds(config), dppo_ratio_cap=setting(config, "clip_ratio_c", 20.0))
+
+
+def _nested(config: Any, name: str, default: float) -> Any:
+    """``config.policy_loss.<name>``, verl's fallback when ``None`` (as its covariance losses read it)."""
+    value = setting(setting(config, "policy_loss", {}), name)
+    return default if value is None else value
+
+
+def _clip_cov_fields(config: Any) -> dict[str, Any]:
+    return dict(
+        _clip_bounds(config),
+        clip_cov_ratio=_nested(config, "clip_cov_ratio", 2e-4),
+        clip_cov_lb=_nested(config, "clip_cov_lb", 1.0),
+        clip_cov_ub=_nested(config, "clip_cov_ub", 5.0),
+    )
+
+
+def _kl_cov_fields(config: Any) -> dict[str, Any]:
+    return dict(
+        kl_cov_ratio=_nested(config, "kl_cov_ratio", 2e-4), kl_cov_coef=_nested(config, "ppo_kl_coef", 1.0)
+    )
 
 
 _CLIP_KEYS = {"clip_low": "clip_ratio_low (or clip_ratio)", "clip_high": "clip_ratio_high (or clip_ratio)"}
@@ -256,7 +297,6 @@ class LossMode:
         fields: verl actor config → the other :class:`PolicyLossConfig` fields (clip bounds, …).
         keys: each of those fields → the actor setting it comes from (for error messages).
         metrics: verl's metrics of this mode, from :class:`MetricInputs`.
-        kl_to_old: the KL term of the config is taken against ``old_log_prob`` (``ref_logp``).
     """
 
     verl_name: str
@@ -264,7 +304,6 @@ class LossMode:
     fields: Callable[[Any], dict[str, Any]]
     keys: Mapping[str, str]
     metrics: Callable[[MetricInputs], dict[str, float]]
-    kl_to_old: bool = False
 
     @property
     def name(self) -> str:
@@ -280,8 +319,26 @@ LOSS_MODES: tuple[LossMode, ...] = (
     LossMode("cispo", "cispo", _clip_bounds, _CLIP_KEYS, metrics.cispo),
     LossMode("geo_mean", "gmpo", _clip_bounds, _CLIP_KEYS, metrics.geo_mean),
     LossMode("gpg", "reinforce", _no_fields, {}, metrics.gpg),
+    LossMode("dro", "dro", _dro_fields, {"dro_beta": "policy_loss.dro_beta"}, metrics.dro),
     LossMode(
-        "dro", "reinforce", _dro_fields, {"kl_coef": "policy_loss.dro_beta"}, metrics.dro, kl_to_old=True
+        "dppo_tv", "dppo_tv", _dppo_fields, {**_CLIP_KEYS, "dppo_ratio_cap": "clip_ratio_c"}, metrics.dppo_tv
+    ),
+    LossMode(
+        "dppo_kl", "dppo_kl", _dppo_fields, {**_CLIP_KEYS, "dppo_ratio_cap": "clip_ratio_c"}, metrics.dppo_kl
+    ),
+    LossMode(
+        "clip_cov",
+        "clip_cov",
+        _clip_cov_fields,
+        {**_CLIP_KEYS, **{k: f"policy_loss.{k}" for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")}},
+        metrics.clip_cov,
+    ),
+    LossMode(
+        "kl_cov",
+        "kl_cov",
+        _kl_cov_fields,
+        {"kl_cov_ratio": "policy_loss.kl_cov_ratio", "kl_cov_coef": "policy_loss.ppo_kl_coef"},
+        metrics.kl_cov,
     ),
 )
 
@@ -332,15 +389,24 @@ def _response_mask(mask: object, log_prob: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Batch:
-    """A micro-batch as verl passes it, validated: ``[B, T]`` tensors and the bool mask."""
+    """A micro-batch as verl passes it, validated: ``[B, T]`` tensors, the bool mask and verl's
+    ``rollout_is_weights`` (``[B, T]`` float, detached; ``None``: none)."""
 
     old_log_prob: torch.Tensor
     log_prob: torch.Tensor
     advantages: torch.Tensor
     mask: torch.Tensor
+    weights: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, old_log_prob: object, log_prob: object, advantages: object, response_mask: object) -> Batch:
+    def of(
+        cls,
+        old_log_prob: object,
+        log_prob: object,
+        advantages: object,
+        response_mask: object,
+        rollout_is_weights: object = None,
+    ) -> Batch:
         check.float_tensor("log_prob", log_prob)
         if log_prob.dim() != 2:
             raise ValueError(
@@ -348,7 +414,11 @@ class Batch:
             )
         check.float_like("old_log_prob", old_log_prob, "log_prob", log_prob)
         check.float_like("advantages", advantages, "log_prob", log_prob)
-        return cls(old_log_prob, log_prob, advantages, _response_mask(response_mask, log_prob))
+        if rollout_is_weights is not None:
+            check.float_like("rollout_is_weights", rollout_is_weights, "log_prob", log_prob)
+            rollout_is_weights = rollout_is_weights.detach()  # verl's are computed without gradient
+        mask = _response_mask(response_mask, log_prob)
+        return cls(old_log_prob, log_prob, advantages, mask, rollout_is_weights)
 
 
 def compute(
@@ -371,11 +441,16 @@ def compute(
         cfg,
         global_tokens=norm.global_tokens,
         global_seqs=norm.global_seqs,
-        ref_logp=batch.old_log_prob if mode.kl_to_old else None,
+        rollout_weights=batch.weights,
     )
     loss = out.loss if norm.scale == 1 else out.loss * norm.scale
     detached = MetricInputs(
-        batch.old_log_prob.detach(), batch.log_prob.detach(), batch.advantages.detach(), batch.mask, cfg
+        batch.old_log_prob.detach(),
+        batch.log_prob.detach(),
+        batch.advantages.detach(),
+        batch.mask,
+        cfg,
+        out.metrics,
     )
     return loss, mode.metrics(detached)
 
@@ -400,14 +475,7 @@ class ModePlan:
 
 
 def _convention(plan: ModePlan, loss_agg_mode: object) -> Convention:
-    name = plan.mode.name
     check.choice("loss_agg_mode", loss_agg_mode, VERL_AGG_MODES)
-    if loss_agg_mode not in AGG_MODES:  # token-sum
-        raise ValueError(
-            f"loss_agg_mode={loss_agg_mode!r} is not supported by {name} yet: rlkernel has no such "
-            f"aggregation (token-sum: Σ mℓ × dp_size); use another loss_agg_mode, or verl's own "
-            f"loss_mode={plan.mode.verl_name!r}"
-        )
     if loss_agg_mode in plan.refused:
         raise RuntimeError(plan.refused[loss_agg_mode])
     return plan.conventions[loss_agg_mode]
@@ -432,13 +500,7 @@ def make_policy_loss_fn(plan: ModePlan) -> PolicyLossFn:
             raise ValueError(
                 f"config is required: {mode.name} reads verl's actor config (as verl's own loss)"
             )
-        batch = Batch.of(old_log_prob, log_prob, advantages, response_mask)
-        if rollout_is_weights is not None:
-            raise ValueError(
-                f"rollout_is_weights is not supported by {mode.name} yet (rlkernel's policy_loss has no "
-                "per-token weight input): set algorithm.rollout_correction.rollout_is=null, or use "
-                f"verl's own loss_mode={mode.verl_name!r}"
-            )
+        batch = Batch.of(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
         return compute(mode, _convention(plan, loss_agg_mode), loss_agg_mode, config, batch)
 
     policy_loss_fn.__name__ = policy_loss_fn.__qualname__ = f"compute_policy_loss_{mode.name}"
@@ -446,6 +508,6 @@ def make_policy_loss_fn(plan: ModePlan) -> PolicyLossFn:
         f"verl's policy loss {mode.verl_name!r} (registered as {mode.name!r}), computed by "
         f"rlkernel.policy_loss with loss_type={mode.loss_type!r}: same arguments (old_log_prob, "
         "log_prob, advantages, response_mask: [B, T]; loss_agg_mode; config: the actor config; "
-        "rollout_is_weights: must be None) and the same (loss, metrics) return as verl's."
+        "rollout_is_weights: [B, T] or None) and the same (loss, metrics) return as verl's."
     )
     return policy_loss_fn

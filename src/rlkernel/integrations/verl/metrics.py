@@ -11,13 +11,20 @@ computed here from the detached inputs with verl's own ``masked_mean`` (``Σ m·
     geo_mean   lr clamped (either bound) and A > 0      −lr (unbounded)         lr clamped and A < 0
     gpg        (no metrics)
     dro        —                                        −lr (unbounded)         —    (ppo_kl only)
+    dppo_tv    outside the trust region (p − p_old       −clamp(lr, ±20)         r > c inside the region
+               > δ_high for A > 0, < −δ_low otherwise)
+    dppo_kl    the same with the binary KL of (p_old, p)
+    clip_cov   the tokens cut (rlkernel's cov_frac:      −lr (unbounded)         —
+               the same random draw as verl's)
+    kl_cov     —                                        mean |lr| (unbounded)   —    (ppo_kl only)
 
 (lr = log_prob − old_log_prob, r = exp(lr), means over the response tokens.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from verl.utils import torch_functional as verl_F
@@ -28,13 +35,15 @@ from rlkernel.rl.objectives import GSPO_LOG_RATIO_MAX, LOG_RATIO_BOUND
 
 @dataclass(frozen=True)
 class MetricInputs:
-    """Detached inputs of verl's metrics: ``[B, T]`` tensors, the bool mask, the mapped config."""
+    """Detached inputs of verl's metrics: ``[B, T]`` tensors, the bool mask, the mapped config, and
+    :func:`rlkernel.policy_loss`'s metrics of the call (0-dim tensors; clip_cov's random cut)."""
 
     old_log_prob: torch.Tensor
     log_prob: torch.Tensor
     advantages: torch.Tensor
     mask: torch.Tensor
     cfg: PolicyLossConfig
+    loss_metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def mean(self, values: torch.Tensor) -> float:
         """verl's ``masked_mean`` over the response tokens, as a float (verl's ``.item()``)."""
@@ -97,3 +106,42 @@ def gpg(m: MetricInputs) -> dict[str, float]:
 
 def dro(m: MetricInputs) -> dict[str, float]:
     return {"actor/ppo_kl": m.mean(-(m.log_prob - m.old_log_prob))}
+
+
+def _dppo(m: MetricInputs, outside: torch.Tensor) -> dict[str, float]:
+    """verl's dppo_*: the fraction outside the trust region; the truncated ratio (r > c) inside it."""
+    log_ratio = bounded_log_ratio(m)
+    truncated = (log_ratio.exp() > m.cfg.dppo_ratio_cap) & ~outside
+    return clip_metrics(m.mean(outside.float()), m.mean(-log_ratio), m.mean(truncated.float()))
+
+
+def dppo_tv(m: MetricInputs) -> dict[str, float]:
+    """DPPO-Binary-TV: outside where p − p_old > δ_high (A > 0), resp. < −δ_low (A ≤ 0)."""
+    diff = m.log_prob.exp() - m.old_log_prob.exp()
+    inside = torch.where(m.advantages > 0, diff <= m.cfg.clip_high, diff >= -m.cfg.clip_low)
+    return _dppo(m, ~inside)
+
+
+def dppo_kl(m: MetricInputs) -> dict[str, float]:
+    """DPPO-Binary-KL: the binary KL of (p_old, p) above δ_high while p rises (A > 0), resp. above
+    δ_low while p falls (A ≤ 0); verl's 1e-8 inside the logarithm."""
+    p, q = m.log_prob.exp(), m.old_log_prob.exp()
+    kl = q * (m.old_log_prob - m.log_prob) + (1 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+    inside = torch.where(
+        m.advantages > 0, (kl <= m.cfg.clip_high) | (p <= q), (kl <= m.cfg.clip_low) | (p >= q)
+    )
+    return _dppo(m, ~inside)
+
+
+def clip_cov(m: MetricInputs) -> dict[str, float]:
+    """verl's clip_cov: pg_clipfrac is the fraction of tokens cut (the random draw: rlkernel's
+    ``cov_frac`` of the same call); −log-ratio unbounded."""
+    return {
+        "actor/pg_clipfrac": m.loss_metrics["cov_frac"].item(),
+        "actor/ppo_kl": m.mean(-(m.log_prob - m.old_log_prob)),
+    }
+
+
+def kl_cov(m: MetricInputs) -> dict[str, float]:
+    """verl's kl_cov: the mean |log-ratio| (unbounded) only."""
+    return {"actor/ppo_kl": m.mean((m.log_prob - m.old_log_prob).abs())}

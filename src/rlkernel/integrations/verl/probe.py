@@ -19,7 +19,7 @@ ratios on both sides of every clip) for each ``loss_agg_mode``, once with an emp
 ``RuntimeError`` naming it, what verl computed and what each convention gave. A mode whose verl
 function is missing, whose signature is not verl's ``PolicyLossFn`` of 0.9.1, or whose metrics
 (names and values) differ from rlkernel's reproduction of them is refused as a whole. The probe
-costs about 150 tiny loss evaluations at import, no gradient (0.15 s on one CPU core).
+costs about 270 tiny loss evaluations at import (verl's and rlkernel's), no gradient (0.4 s on one CPU core).
 
 Caveats:
     * The probe tells apart the conventions listed; it is not a proof of agreement. CI compares
@@ -64,9 +64,20 @@ PROBE_SETTINGS: Mapping[str, float] = {
     "tau_pos": 1.0,
     "tau_neg": 1.05,
 }
-# The nested ``policy_loss`` settings of the probe's config (dro's β).
-PROBE_POLICY_LOSS: Mapping[str, float] = {"dro_beta": 0.3}
+# The nested ``policy_loss`` settings of the probe's config: dro's β; covariance windows and ratios
+# that select tokens on the probe batch (verl's defaults, 2e-4 of the tokens in [1, 5], select none).
+PROBE_POLICY_LOSS: Mapping[str, float] = {
+    "dro_beta": 0.3,
+    "clip_cov_ratio": 0.3,
+    "clip_cov_lb": -0.5,
+    "clip_cov_ub": 0.8,
+    "kl_cov_ratio": 0.3,
+    "ppo_kl_coef": 0.7,
+}
 TOLERANCE = 1e-5
+# clip_cov draws its tokens from torch's default CPU generator: every probe call (verl's and ours)
+# starts from this seed, inside a forked RNG state (the caller's generator is left as it was).
+PROBE_SEED = 0
 
 
 def probe_batch() -> Batch:
@@ -95,6 +106,7 @@ def close(ours: float, theirs: float) -> bool:
 
 
 def _run_verl(verl_fn: PolicyLossFn, batch: Batch, agg: str, config: Any) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(PROBE_SEED)
     return verl_fn(
         old_log_prob=batch.old_log_prob,
         log_prob=batch.log_prob,
@@ -104,6 +116,11 @@ def _run_verl(verl_fn: PolicyLossFn, batch: Batch, agg: str, config: Any) -> tup
         config=config,
         rollout_is_weights=None,
     )
+
+
+def _run_ours(mode: LossMode, convention: Convention, agg: str, config: Any, batch: Batch):
+    torch.manual_seed(PROBE_SEED)
+    return compute(mode, convention, agg, config, batch)
 
 
 def _disagreement(
@@ -122,7 +139,7 @@ def _disagreement(
         except Exception as error:  # verl's own code failing on the probe: say so, refuse the mode
             return f"verl raised {type(error).__name__}: {error}"
         try:
-            ours = float(compute(mode, convention, agg, make_config(info), batch)[0])
+            ours = float(_run_ours(mode, convention, agg, make_config(info), batch)[0])
         except (TypeError, ValueError) as error:
             return f"rlkernel raised {type(error).__name__}: {error}"
         if not close(ours, theirs):
@@ -141,7 +158,7 @@ def _metrics_problem(
     """How verl's metrics of the probe differ from rlkernel's reproduction of them, or ``None``."""
     info = PROBE_INFOS[-1]
     theirs = _run_verl(verl_fn, batch, agg, make_config(info))[1]
-    ours = compute(mode, convention, agg, make_config(info), batch)[1]
+    ours = _run_ours(mode, convention, agg, make_config(info), batch)[1]
     if not isinstance(theirs, Mapping) or list(theirs) != list(ours):
         shown = list(theirs) if isinstance(theirs, Mapping) else type(theirs).__name__
         return f"verl returns the metrics {shown}, rlkernel reproduces {list(ours)}"
@@ -191,7 +208,7 @@ def plan_mode(
     batch = probe_batch()
     conventions: dict[str, Convention] = {}
     refused: dict[str, str] = {}
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for agg in AGG_MODES:
             tried = []
             for convention in CONVENTIONS:
