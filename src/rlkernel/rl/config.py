@@ -96,7 +96,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from rlkernel import _validate as check
 from rlkernel.rl.aggregate import AGGREGATIONS, Aggregation
@@ -117,21 +117,7 @@ LossType = Literal[
     "kl_cov",
     "dro",
 ]
-LOSS_TYPES: tuple[str, ...] = (
-    "ppo",
-    "gspo",
-    "gspo_token",
-    "cispo",
-    "sapo",
-    "gmpo",
-    "reinforce",
-    "vespo",
-    "dppo_tv",
-    "dppo_kl",
-    "clip_cov",
-    "kl_cov",
-    "dro",
-)
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)  # one list of names
 
 RolloutCorrection = Literal["token_tis", "seq_tis", "token_mis", "seq_mis"]
 ROLLOUT_CORRECTIONS: tuple[str, ...] = ("token_tis", "seq_tis", "token_mis", "seq_mis")
