@@ -242,7 +242,10 @@ class _LinearLogprobsFunction(torch.autograd.Function):
 
 def _active_rows(ids: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
     """The indices of the rows whose id is not ``ignore_index`` (int64, increasing), or None when
-    every row is active (nothing to compact). One host sync (the count sizes the row loop)."""
+    every row is active (nothing to compact). One host sync (the count sizes the row loop); none,
+    and no compaction, inside CUDA-graph capture (a sync cannot be captured)."""
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
     idx = (ids != ignore_index).nonzero().squeeze(1)
     return None if idx.numel() == ids.numel() else idx
 
