@@ -288,11 +288,18 @@ def test_logit_scale_folds_into_the_temperature(model_dir, tmp_path):
     compare(trainer, make_batch(trainer, seed=8))
 
 
-@pytest.mark.parametrize("setting", ["dapo, clip-higher, delta", "grpo + KL", "cispo"])
-def test_triton_fused_path_matches_trl(model_dir, tmp_path, smallest_linear_chunks, monkeypatch, setting):
+@pytest.mark.parametrize(
+    "setting, policy",
+    [("dapo, clip-higher, delta", "off-policy"), ("grpo + KL", "off-policy"), ("cispo", "off-policy"),
+     ("dapo, clip-higher, delta", "on-policy"), ("grpo + KL", "on-policy")],
+)  # fmt: skip
+def test_triton_fused_path_matches_trl(
+    model_dir, tmp_path, smallest_linear_chunks, monkeypatch, setting, policy
+):
     """The path a GPU takes: the Triton kernels (in the CPU interpreter, 16-row chunks) fuse the loss
     into the linear chunk engine (gradient computed in the forward pass). Agreement to float32
-    rounding of each gradient's scale (the chunk engine sums in another order)."""
+    rounding of each gradient's scale (the chunk engine sums in another order); on-policy too
+    (old_logp=None: one pass)."""
     from trl import GRPOTrainer
 
     import rlkernel as rk
@@ -306,6 +313,8 @@ def test_triton_fused_path_matches_trl(model_dir, tmp_path, smallest_linear_chun
     )
     trainer = build(model_dir, tmp_path, **SETTINGS[setting])
     batch = make_batch(trainer, seed=9)
+    if policy == "on-policy":  # one fused pass with old_logp=None
+        del batch["old_per_token_logps"]
     ref_loss, ref_grads = loss_and_grads(GRPOTrainer._compute_loss, trainer, batch)
     with rk.use_backend("triton"):
         loss, grads = loss_and_grads(type(trainer)._compute_loss, trainer, batch)
