@@ -44,12 +44,11 @@ def model_dir(tmp_path_factory):
 
 # (GRPOConfig overrides, a pattern the error names)
 UNSUPPORTED = [
-    # waiting for rlkernel features being added (docs: "Not yet")
-    (dict(loss_type="vespo"), "vespo"),
-    (dict(beta=0.04), "use_bias_correction_kl"),  # TRL's default use_bias_correction_kl=True
-    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-    (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
     # no rlkernel equivalent
+    (
+        dict(loss_type="vespo", importance_sampling_level="sequence", beta=0.04),
+        "vespo.*sequence.*use_bias_correction_kl",
+    ),
     (dict(loss_type="cispo", importance_sampling_level="sequence"), "cispo.*sequence"),
     (dict(loss_type="sapo", importance_sampling_level="sequence"), "sapo.*sequence"),
     (dict(delta=1.5, importance_sampling_level="sequence"), "delta.*sequence"),
@@ -65,6 +64,11 @@ UNSUPPORTED = [
     (dict(loss_type="sapo", sapo_temperature_neg=0.0), "sapo_temperature_neg"),
     (dict(use_vllm=True, vllm_importance_sampling_mode="token"), "vllm_importance_sampling_mode"),
     (dict(top_entropy_quantile=float("nan")), "top_entropy_quantile"),
+    (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
+    (dict(off_policy_mask_threshold=-0.1), "off_policy_mask_threshold"),
+    (dict(off_policy_mask_threshold=float("inf")), "off_policy_mask_threshold"),
+    (dict(loss_type="vespo", vespo_k_pos=-1.0), "vespo_k_pos"),
+    (dict(loss_type="vespo", vespo_lambda_neg=float("nan")), "vespo_lambda_neg"),
 ]
 
 
@@ -82,8 +86,10 @@ def test_unsupported_settings_raise_at_construction(args_for, tmp_path, override
 
 
 @pytest.mark.parametrize(
-    "field, value", [("epsilon", "0.2"), ("beta", None), ("delta", "1.5"), ("top_entropy_quantile", True)]
-)
+    "field, value",
+    [("epsilon", "0.2"), ("beta", None), ("delta", "1.5"), ("top_entropy_quantile", True),
+     ("off_policy_mask_threshold", "0.5")],
+)  # fmt: skip
 def test_wrong_types_raise(args_for, field, value):
     from rlkernel.integrations.trl import plan_from_trl, policy_config_from_trl
 

@@ -122,6 +122,31 @@ MAPPINGS = [
         dict(aggregation="token-mean"),
         "step_tokens",
     ),
+    # use_bias_correction_kl (TRL's default True) is the ratio-weighted KL.
+    (
+        dict(beta=0.04),
+        dict(
+            loss_type="ppo", aggregation="token-mean", kl_coef=0.04, kl_estimator="k3", kl_ratio_weighted=True
+        ),
+        "step_tokens",
+    ),
+    (
+        dict(loss_type="vespo"),
+        dict(loss_type="vespo", aggregation="token-mean", vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+             vespo_k_neg=3.0, vespo_lambda_neg=2.0),
+        "step_tokens",
+    ),  # fmt: skip
+    (
+        dict(loss_type="vespo", vespo_k_pos=0.5, vespo_lambda_neg=0.0, use_vllm=True),
+        dict(loss_type="vespo", aggregation="token-mean", vespo_k_pos=0.5, vespo_lambda_neg=0.0,
+             rollout_correction="seq_mis", rollout_clip_max=3.0),
+        "step_tokens",
+    ),  # fmt: skip
+    (
+        dict(loss_type="grpo", off_policy_mask_threshold=0.3, top_entropy_quantile=0.2),
+        dict(aggregation="seq-mean-token-mean", off_policy_mask_threshold=0.3, top_entropy_quantile=0.2),
+        "sequences",
+    ),
 ]
 
 

@@ -35,6 +35,8 @@ SETTINGS = {
     "grpo + KL": dict(loss_type="grpo", beta=0.05, use_bias_correction_kl=False),
     "GSPO": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.05),
     "cispo + entropy bonus": dict(loss_type="cispo", epsilon_high=1.2, entropy_coef=0.05),
+    "grpo + bias-corrected KL (TRL default)": dict(loss_type="grpo", beta=0.05),
+    "vespo + bias-corrected KL": dict(loss_type="vespo", beta=0.05),
 }
 
 

@@ -5,10 +5,10 @@
 Three entry points:
 
     RLKernelGRPOTrainer      ``trl.GRPOTrainer`` (same constructor) whose loss is
-                             ``rk.fused_policy_loss(hidden=..., weight=lm_head.weight, ...)`` (or the
-                             linear primitive + ``rk.policy_loss`` on-policy): the ``[B, T, V]`` logits
-                             never exist; every other step (generation, rewards, advantages, old and
-                             reference log-probs) is TRL's own code.
+                             ``rk.fused_policy_loss(hidden=..., weight=lm_head.weight, ...)`` (or,
+                             with TRL's entropy bonus, the linear primitive + ``rk.policy_loss``): the
+                             ``[B, T, V]`` logits never exist; every other step (generation,
+                             rewards, advantages, old and reference log-probs) is TRL's own code.
     policy_config_from_trl   ``GRPOConfig`` → :class:`rlkernel.PolicyLossConfig` (raises for what
                              cannot map; the normalizers are per-call: ``config.step_normalizers``).
     add_rlkernel_lm_head     TRL's ``add_fused_lm_head`` computed by ``rk.linear_token_logprobs``;

@@ -7,7 +7,12 @@ s_i = exp(Σ_t m·(logp − old_logp) / Σ_t m) per sequence (``"sequence"``), A
     grpo, bnpo, dr_grpo, dapo, luspo   ℓ = −min(min(r, δ)·A, clip(r, 1 − ε, 1 + ε_high)·A)
     cispo                              ℓ = −sg[min(r, ε_high)]·A·logp
     sapo                               ℓ = −(4/τ)·σ(τ(r − 1))·A,  τ = τ_pos if A > 0 else τ_neg
-    then                               ℓ ← ℓ·w (vLLM importance weight) + β·k3(logp, ref_logp)
+    vespo                              ℓ = −sg[φ(w_i)]·A·logp,  φ(w) = e^λ·w^k·e^{−λw},
+                                       w_i = exp(Σ_t m·(logp − old_logp)) (× the vLLM ratio, folded in)
+    then                               ℓ ← ℓ·o_i (OPSM: 0 where A < 0 and mean(ŝ − logp) > δ)
+                                       ℓ ← ℓ·e_t (top_entropy_quantile: 0 below the (1−ρ)-quantile of H)
+                                       ℓ ← ℓ·w (vLLM importance weight; not vespo) + β·k3(logp, ref_logp)·c
+    (c = r or s_i with ``use_bias_correction_kl``, not detached; else 1)
 
 and aggregates ℓ over the completion mask m of a micro-batch of B sequences, in an accumulation window
 of GA micro-batches (``current_gradient_accumulation_steps``; 1 in evaluation):
@@ -22,8 +27,8 @@ of GA micro-batches (``current_gradient_accumulation_steps``; 1 in evaluation):
 
 :func:`plan_from_trl` maps the settings onto a ``PolicyLossConfig`` plus the normalizer rule above;
 :func:`policy_config_from_trl` returns the config alone. A setting whose loss rlkernel cannot
-reproduce raises ``ValueError`` naming the ``GRPOConfig`` field; those waiting for an rlkernel feature
-that is being added are grouped in :func:`_pending` (one check each, to be removed when it lands).
+reproduce raises ``ValueError`` naming the ``GRPOConfig`` field (cispo / sapo with a sequence ratio,
+vespo's KL weighted by a sequence ratio: rlkernel's ``seq_ratio`` applies to gspo and vespo only).
 
 Caveats (where rlkernel's guards differ from TRL's unguarded formulas; see docs/integrations/trl.md):
     * rlkernel clamps the token log-ratio to ±20 before the exponential (ppo, cispo, sapo) and the
@@ -66,6 +71,7 @@ _AGGREGATIONS = {
     "bnpo": ("token-mean", "local_tokens"),
     "dapo": ("token-mean", "step_tokens"),
     "cispo": ("token-mean", "step_tokens"),
+    "vespo": ("token-mean", "step_tokens"),
 }
 
 Normalizer = Literal["sequences", "local_tokens", "step_tokens"]
@@ -135,39 +141,19 @@ def _unsupported(setting: str, why: str) -> ValueError:
     return ValueError(f"GRPOConfig {setting} is not supported by rlkernel.integrations.trl: {why}")
 
 
-def _pending(args: object, loss_type: str, beta: float) -> None:
-    """Settings that wait for an rlkernel feature being added (issue 14); each is one check here and
-    one row of "Not yet" in docs/integrations/trl.md, to be replaced by its mapping when it lands:
-
-        vespo                       a loss_type branch in _policy_fields (vespo_k_*, vespo_lambda_*)
-        use_bias_correction_kl      the ratio-weighted KL field next to kl_coef in plan_from_trl
-        off_policy_mask_threshold   the OPSM field; the trainer passes vLLM's (else the old) log-probs
-        top_entropy_quantile        the mask field; TRL's quantile is over all processes' tokens
-        cispo / sapo, sequence      the sequence-ratio field in _policy_fields
-
-    (``old_logp=None`` and a ``rollout_weights=`` input change the trainer only: the on-policy branch
-    of ``_LossHead`` and, for the vLLM weights, TRL's ``importance_sampling_ratio`` passed as is.)"""
-    if loss_type == "vespo":
-        raise _unsupported("loss_type='vespo'", "not yet: rlkernel has no VESPO gamma weighting yet")
-    if beta > 0 and _field(args, "use_bias_correction_kl"):
-        raise _unsupported(
-            "use_bias_correction_kl=True with beta > 0 (TRL's default is True)",
-            "not yet: TRL multiplies the k3 KL term by the importance ratio r (differentiable); rlkernel's "
-            "KL term is not ratio-weighted yet. Set use_bias_correction_kl=False for the plain k3 penalty",
-        )
-    if _field(args, "off_policy_mask_threshold") is not None:
-        raise _unsupported(
-            "off_policy_mask_threshold (off-policy sequence masking, OPSM)",
-            "not yet: rlkernel has no sequence mask by KL and advantage sign yet; leave it None",
-        )
+def _mask_fields(args: object) -> dict[str, object]:
+    """TRL's token masks on the policy term: the off-policy sequence mask (OPSM) and the
+    top-entropy-quantile mask (same field names in ``PolicyLossConfig``; its checks apply)."""
+    fields: dict[str, object] = {}
+    threshold = _field(args, "off_policy_mask_threshold")
+    if threshold is not None:
+        fields["off_policy_mask_threshold"] = check.real("off_policy_mask_threshold", threshold)
     quantile = check.real("top_entropy_quantile", _field(args, "top_entropy_quantile"))
     if not 0.0 <= quantile <= 1.0:  # NaN included
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {quantile}")
     if quantile < 1.0:
-        raise _unsupported(
-            f"top_entropy_quantile={quantile}",
-            "not yet: rlkernel has no top-entropy-quantile token mask yet; leave it 1.0",
-        )
+        fields["top_entropy_quantile"] = quantile
+    return fields
 
 
 def _rollout_fields(args: object) -> dict[str, object]:
@@ -214,6 +200,11 @@ def _policy_fields(args: object, loss_type: str, level: str) -> dict[str, object
                 "rlkernel's upper bound is 1 + clip_high with clip_high >= 0",
             )
         return dict(loss_type="cispo", clip_low=None, clip_high=epsilon_high - 1.0)
+    if loss_type == "vespo":
+        # VESPO's weight reads the product ratio of the sequence whatever importance_sampling_level
+        # says (the level only picks TRL's KL weight, checked in plan_from_trl).
+        names = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+        return dict(loss_type="vespo", **{name: check.real(name, _field(args, name)) for name in names})
     if loss_type == "sapo":
         if sequence:
             raise _unsupported(
@@ -261,7 +252,6 @@ def plan_from_trl(args: object) -> TRLLossPlan:
         "importance_sampling_level", _field(args, "importance_sampling_level"), IMPORTANCE_SAMPLING_LEVELS
     )
     beta = check.nonneg_float("beta", _field(args, "beta"))
-    _pending(args, loss_type, beta)
     aggregation, normalizer = _AGGREGATIONS[loss_type]
     fields = _policy_fields(args, loss_type, level)
     fields["aggregation"] = aggregation
@@ -273,7 +263,18 @@ def plan_from_trl(args: object) -> TRLLossPlan:
             )
         fields["norm_length"] = check.positive_int("max_completion_length", length)
     if beta > 0:
-        fields.update(kl_coef=beta, kl_estimator="k3")
+        # use_bias_correction_kl (TRL's default True): the k3 term times TRL's coef_1, not detached.
+        weighted = bool(_field(args, "use_bias_correction_kl"))
+        if weighted and loss_type == "vespo" and level == "sequence":
+            raise _unsupported(
+                "loss_type='vespo' with importance_sampling_level='sequence', beta > 0 and "
+                "use_bias_correction_kl=True",
+                "TRL weighs the KL term by the geometric-mean sequence ratio there; rlkernel's vespo weighs "
+                "it by the token ratio. Use importance_sampling_level='token' or "
+                "use_bias_correction_kl=False",
+            )
+        fields.update(kl_coef=beta, kl_estimator="k3", kl_ratio_weighted=weighted)
+    fields.update(_mask_fields(args))
     rollout = bool(_field(args, "use_vllm")) and bool(_field(args, "vllm_importance_sampling_correction"))
     if rollout:
         fields.update(_rollout_fields(args))

@@ -7,25 +7,26 @@ only ``_compute_loss`` changes. TRL's computes the per-token log-probs with its 
 then the loss on ``[B, T]`` tensors; this one runs the backbone, takes the last hidden states of the
 completion positions and the LM-head weight, and computes the loss with
 
-    old log-probs present      rk.fused_policy_loss(cfg, hidden=h, weight=W, bias=b, ...)
-    (num_iterations > 1, misaligned steps_per_generation, vLLM importance sampling)
-    on-policy, or an entropy   logp, H = rk.linear_token_logprobs(h, W, ids, return_entropy=True)
-    bonus                      rk.policy_loss(logp, old_logp or sg[logp], ...) − coef·mean(H)/GA
+    otherwise                  rk.fused_policy_loss(cfg, old_logp=old or None, hidden=h, weight=W, ...)
+    an entropy bonus, or OPSM  logp, H = rk.linear_token_logprobs(h, W, ids, return_entropy=True)
+                               rk.policy_loss(logp, old or None, entropy=H, ...) − coef·mean_e(H)/GA
 
-Neither materializes the ``[B, T, V]`` logits. The second is TRL's on-policy case (its default:
-``old_per_token_logps`` is None and the ratio is exp(logp − sg[logp])), computed exactly, at the
-cost of the linear primitive's fourth GEMM (the fused path's gradient-in-forward needs the old
-log-probs before the pass); it becomes a ``fused_policy_loss(old_logp=None)`` call when rlkernel has
-that. It also serves TRL's entropy bonus, the token mean of the entropy (not a policy aggregation).
+Neither materializes the ``[B, T, V]`` logits. ``old_logp=None`` is TRL's on-policy case (its default:
+``old_per_token_logps`` is None and the ratio is exp(logp − sg[logp])), exact and in one LM-head pass.
+The second route serves TRL's entropy bonus, the token mean of the entropy over the kept tokens e
+(all of them, or the top-entropy ones with ``top_entropy_quantile < 1``), not a policy aggregation,
+and TRL's OPSM on vLLM's log-probs without the vLLM correction (a token vLLM could not score counts
+as no drift: ŝ = sg[logp] there, known only after the pass).
 
 The completion tokens are packed (``cu_seqlens``): padding and tool-masked positions never reach the
 LM head. ``cfg`` and the normalizers come from :mod:`rlkernel.integrations.trl.config`; the mapping
 is decided in ``__init__``, which raises ``ValueError`` naming the setting it cannot reproduce.
 
 Metrics logged (TRL's names): ``kl``, ``clip_ratio/{low,high,region}_mean`` (ppo / gspo losses),
-``cispo_clip_ratio``, ``entropy`` (composed path only: the fused path does not compute the entropy),
-``policy_loss`` and ``entropy_coef`` (with the bonus). Not logged: ``clip_ratio/low_min`` and
-``clip_ratio/high_max`` (per-sequence extremes), ``entropy`` on the fused path.
+``cispo_clip_ratio``, ``entropy`` (entropy-bonus route only: the fused path does not return the
+entropy), ``policy_loss`` and ``entropy_coef`` (with the bonus). Not logged: ``clip_ratio/low_min`` and
+``clip_ratio/high_max`` (per-sequence extremes), ``entropy`` on the fused path, ``vespo/phi_seq_mean``
+(rlkernel's ``vespo_phi_mean`` is a token mean, TRL's a mean over the rows).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class _LossHead:
     def __init__(self, plan, head, inputs, active, normalizers, entropy_coef, accumulation) -> None:
         self.plan, self.settings, self.inputs, self.active = plan, head, inputs, active
         self.normalizers, self.entropy_coef, self.accumulation = normalizers, entropy_coef, accumulation
-        self.output = self.entropy = None
+        self.output = self.entropy = self.kept = None
 
     def _advantages(self, tokens: int) -> torch.Tensor:
         adv, active = self.inputs["advantages"], self.active
@@ -103,36 +104,55 @@ class _LossHead:
         tokens = ids.shape[0]
         cu_seqlens = F.pad(active.sum(-1).cumsum(0), (1, 0))
         old = inputs.get("old_per_token_logps")
+        old = None if old is None else old[active]
+        cfg = plan.config
         rollout = None
+        # TRL's OPSM reads vLLM's log-probs when it has them (else the old ones: rlkernel's fallback),
+        # and counts a token vLLM could not score (NaN) as no drift: ŝ = sg[logp] there, which needs
+        # the log-probs first (the composed route), unless the vLLM correction is on (see below).
+        opsm_vllm = cfg.off_policy_mask_threshold is not None and "sampling_per_token_logps" in inputs
+        reads_vllm = opsm_vllm or plan.rollout_correction
+        sampling = inputs["sampling_per_token_logps"][active] if reads_vllm else None
         if plan.rollout_correction:
-            # TRL gives a token that vLLM could not score (NaN) the importance ratio 1: ρ = exp(0).
-            sampling = inputs["sampling_per_token_logps"]
-            rollout = torch.where(torch.isnan(sampling), old, sampling)[active]
-        ref = inputs["ref_per_token_logps"][active] if plan.config.kl_coef > 0 else None
+            # TRL gives a token that vLLM could not score the importance ratio 1: ρ = exp(0), ŝ = old
+            # (the old log-probs are always there with the correction). OPSM reads the same ŝ: such a
+            # token drifts by old − logp there, 0 in TRL (docs: caveats).
+            rollout = torch.where(torch.isnan(sampling), old, sampling)
+        ref = inputs["ref_per_token_logps"][active] if cfg.kl_coef > 0 else None
         common = dict(
             advantages=self._advantages(tokens),
             mask=torch.ones(tokens, dtype=torch.bool, device=ids.device),
             ref_logp=ref,
-            rollout_logp=rollout,
             cu_seqlens=cu_seqlens,
             **self.normalizers,
         )
-        if old is not None and not plan.entropy_bonus:
+        opsm_nan = opsm_vllm and not plan.rollout_correction
+        if not plan.entropy_bonus and not opsm_nan:
+            # One pass: old_logp=None is TRL's on-policy ratio exp(logp − sg[logp]).
             self.output = fused_policy_loss(
-                plan.config, token_ids=ids, old_logp=old[active], hidden=h, weight=weight, bias=bias,
+                cfg, token_ids=ids, old_logp=old, hidden=h, weight=weight, bias=bias, rollout_logp=rollout,
                 temperature=self.settings.temperature, **common,
             )  # fmt: skip
             return self.output.loss
+        # The composed route: TRL's entropy bonus is the token mean of H (over the top-entropy tokens
+        # when top_entropy_quantile < 1) divided by GA, whatever the normalizer: no PolicyLossConfig
+        # field, so the entropy comes back from the linear primitive and the bonus is added here.
         logp, entropy = linear_token_logprobs(
             h, weight, ids, bias=bias, temperature=self.settings.temperature, return_entropy=True
         )
-        old_logp = logp.detach() if old is None else old[active]
-        self.output = policy_loss(logp, old_logp, cfg=plan.config, **common)
+        if opsm_nan:
+            rollout = torch.where(torch.isnan(sampling), logp.detach(), sampling)
+        self.output = policy_loss(logp, old, cfg=cfg, entropy=entropy, rollout_logp=rollout, **common)
         self.entropy = entropy.detach()
-        loss = self.output.loss
-        if plan.entropy_bonus:
-            loss = loss - self.entropy_coef * (entropy.sum() / max(tokens, 1) / self.accumulation)
-        return loss
+        if not plan.entropy_bonus:
+            return self.output.loss
+        kept = torch.ones_like(self.entropy, dtype=torch.bool)
+        if cfg.top_entropy_quantile < 1 and tokens > 0:
+            threshold = torch.quantile(self.entropy.float(), 1.0 - cfg.top_entropy_quantile)
+            kept = self.entropy >= threshold
+        self.kept = kept
+        bonus = (entropy * kept).sum() / kept.sum().clamp(min=1) / self.accumulation
+        return self.output.loss - self.entropy_coef * bonus
 
 
 class RLKernelGRPOTrainer(GRPOTrainer):
@@ -219,7 +239,9 @@ class RLKernelGRPOTrainer(GRPOTrainer):
             log["policy_loss"].append(
                 self.accelerator.gather(head.output.loss.detach() * scale).nanmean().item()
             )
-            self._update_adaptive_entropy(head.entropy, tokens, mode)
+            # The controller measures the entropy over the tokens the bonus acts on (TRL's effective mask).
+            kept = head.kept.to(head.entropy.dtype)
+            self._update_adaptive_entropy((head.entropy * kept).sum(), kept.sum(), mode)
         if plan.config.kl_coef > 0:
             log["kl"].append(self._global_mean(metrics["kl_ref"] * tokens, tokens))
         if head.entropy is not None:
@@ -237,14 +259,14 @@ class RLKernelGRPOTrainer(GRPOTrainer):
         elif loss_type == "cispo":
             log["cispo_clip_ratio"].append(self._global_mean(metrics["clip_frac_high"] * tokens, tokens))
 
-    def _update_adaptive_entropy(self, entropy: torch.Tensor, tokens: torch.Tensor, mode: str) -> None:
+    def _update_adaptive_entropy(self, entropy_sum: torch.Tensor, tokens: torch.Tensor, mode: str) -> None:
         """TRL's adaptive entropy controller (Skywork-OR1): accumulate the window's entropy sum and
         token count; at the optimizer-step boundary move the coefficient by ``entropy_coef_delta``
         towards raising the entropy while it is at or below ``entropy_target``, within
         [``entropy_coef_min``, ``entropy_coef_max``]."""
         args = self.args
         if self.use_adaptive_entropy and mode == "train":
-            stats = torch.stack([entropy.sum().float(), tokens.to(entropy.device)])
+            stats = torch.stack([entropy_sum.float(), tokens.float().to(entropy_sum.device)])
             window = self._entropy_window_stats
             self._entropy_window_stats = stats if window is None else window + stats
             if self.accelerator.sync_gradients:
