@@ -9,7 +9,7 @@ The model is a random-init Qwen3 (``--layers`` decoder layers, hidden ``--hidden
 lengths uniform in [T/4, T], group advantages. Each row: the median of ``--repeats`` timed calls
 (after one warm-up) of loss + backward, the peak memory above what the model, its gradients and the
 batch hold, and |Δloss| against TRL. ``off-policy`` gives old log-probs (rlkernel's fused path),
-``on-policy`` none (TRL's default; rlkernel's linear primitive + ``policy_loss``). The loss head of
+``on-policy`` none (TRL's default; rlkernel's one ``fused_policy_loss(old_logp=None)`` call). The loss head of
 both is the only difference, so the rows compare TRL's fused LM head + [B, T] loss with rlkernel's.
 """
 
