@@ -38,6 +38,12 @@ def require_trl() -> None:
         reason = (
             f"TRL {importlib.metadata.version('trl')} is installed; these tests compare with {TRL_VERSION}"
         )
+    else:
+        # The GPU machine gets TRL's wheel alone (for trl.kernels in the bench): its trainer needs
+        # these too.
+        missing = [name for name in ("accelerate", "datasets") if importlib.util.find_spec(name) is None]
+        if missing:
+            reason = f"TRL's trainer stack is incomplete: {', '.join(missing)} not installed"
     if reason is None:
         return
     if os.environ.get("CI", "").lower() not in ("", "0", "false"):
