@@ -157,7 +157,7 @@ def launches() -> list[tuple[str, object]]:
 
 def _fused_loss_launches(rnd) -> list[tuple[str, object]]:
     """The fused token-level loss kernels (block kernel for V > 65,536, gradient-in-forward row
-    kernel below, backward, scale) through ``fused_policy_loss`` forward + backward, for configs
+    kernel below, backward, scale; the sequence-ratio kernel) through ``fused_policy_loss`` forward + backward, for configs
     that cover their constexpr branches (loss types, KL, entropy, rollout correction)."""
     import torch
 
@@ -168,6 +168,10 @@ def _fused_loss_launches(rnd) -> list[tuple[str, object]]:
         "cispo": rk.PolicyLossConfig.preset("cispo"),
         "sapo+entropy": rk.PolicyLossConfig.preset("sapo", entropy_coef=0.01),
         "ppo+seq_tis": rk.PolicyLossConfig.preset("ppo", rollout_correction="seq_tis"),
+        # the sequence-ratio kernel (kernels.seq_token_loss): its three kinds, KL and entropy branches
+        "gspo+kl": rk.PolicyLossConfig.preset("gspo", kl_coef=0.01),
+        "gspo_token+entropy": rk.PolicyLossConfig(loss_type="gspo_token", entropy_coef=0.01),
+        "gmpo": rk.PolicyLossConfig(loss_type="gmpo"),
     }
     b, t = 2, 4
     mask = torch.ones(b, t, dtype=torch.bool)

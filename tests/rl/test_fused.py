@@ -297,17 +297,24 @@ SEQUENCE_LEVEL = [n for n, c in LOSS_CONFIGS.items() if n not in TOKEN_LEVEL]
 
 
 def _coefficient_path_spy(monkeypatch):
-    """Spy on the fused coefficient path (sequence-level objectives from logits)."""
+    """Spy on the fused coefficient paths (objectives without a token-level plan, from logits): the
+    names of the paths taken, ``"closed_form"`` (gspo, gspo_token, gmpo: rl.seq_token_loss) or
+    ``"autograd"`` (the algebra differentiated inside the forward)."""
     import rlkernel.rl.fused as fused_mod
 
     calls = []
-    real = fused_mod._fused_autograd_coefficients
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def spy_on(attr: str, label: str) -> None:
+        real = getattr(fused_mod, attr)
 
-    monkeypatch.setattr(fused_mod, "_fused_autograd_coefficients", spy)  # seam: spy
+        def spy(*args, **kwargs):
+            calls.append(label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(fused_mod, attr, spy)  # seam: spy
+
+    spy_on("_fused_autograd_coefficients", "autograd")
+    spy_on("_fused_sequence_level", "closed_form")
     return calls
 
 
@@ -325,6 +332,31 @@ def test_sequence_level_fused_path_equals_composition(name, aggregation, packed,
     torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
     assert fused.metrics.keys() == composed.metrics.keys()
+    for key in composed.metrics:
+        torch.testing.assert_close(fused.metrics[key], composed.metrics[key], atol=1e-5, rtol=1e-5)
+
+
+@interpreter_quiet
+@pytest.mark.parametrize(
+    ("name", "extra", "path"),
+    [
+        ("gspo", {}, "closed_form"),
+        ("gspo_token", {"rollout_correction": "seq_tis"}, "closed_form"),
+        ("gmpo", {"entropy_coef": 0.05}, "closed_form"),
+        ("gmpo", {"rollout_correction": "token_tis"}, "autograd"),  # folded per sequence
+        ("gspo", {"kl_ratio_weighted": True}, "autograd"),
+    ],
+)
+def test_sequence_level_closed_form_or_autograd_coefficients(name, extra, path, monkeypatch):
+    """gspo, gspo_token and gmpo take the closed-form coefficients (rl.seq_token_loss) unless a
+    setting needs the autograd algebra; both equal the composed path."""
+    calls = _coefficient_path_spy(monkeypatch)
+    cfg = config(name, kl_coef=0.1, **extra)
+    p = _on_device(_problem(seed=31 + len(name), packed=path == "closed_form" and name == "gmpo"))
+    fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
+    assert calls == [path]
+    torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
+    torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
     for key in composed.metrics:
         torch.testing.assert_close(fused.metrics[key], composed.metrics[key], atol=1e-5, rtol=1e-5)
 

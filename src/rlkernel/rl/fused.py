@@ -23,12 +23,14 @@ forward (2 passes over the logits) and the backward only rescales it. The option
 are read once per call (``rlkernel.use_options``; measurements behind the defaults:
 ``docs/api/options.md``).
 
-Sequence-level objectives (gspo, gspo_token, gmpo: every objective without a token-level plan)
-from logits, Triton backend, with a gradient to compute, take the fused coefficient path: the same
-two log-prob kernels (forward statistics; one backward launch with per-token coefficients), and
-between them the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the
-forward (``rl.fused._fused_autograd_coefficients``), so its host time overlaps the forward kernel
-and the backward is one launch. The hidden-state path of these objectives, fp64 logits, the
+Every objective without a token-level plan from logits, Triton backend, with a gradient to
+compute, takes a fused coefficient path: the same two log-prob kernels (forward statistics; one
+backward launch with per-token coefficients), and between them the loss and its per-token
+coefficients. For gspo, gspo_token and gmpo (``rl.seq_token_loss.is_eligible``) those come from
+their closed form in ONE Triton launch (``rl.seq_token_loss``, one program per sequence); for the
+rest (vespo, dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks, gmpo with rollout
+weights) from the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the
+forward (``rl.fused._fused_autograd_coefficients``, ~100 small launches). The hidden-state path of these objectives, fp64 logits, the
 reference backend and ``torch.compile`` tracing of them keep the composed path. All give the same loss,
 gradients (to fp32 rounding) and metrics.
 
@@ -74,7 +76,7 @@ from rlkernel.ops.logprobs import (
 )
 from rlkernel.ops.token_loss import LossCoefficients, TokenLossTerms
 from rlkernel.ops.token_loss import token_loss as token_loss_op
-from rlkernel.rl import token_loss
+from rlkernel.rl import seq_token_loss, token_loss
 from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
@@ -267,6 +269,9 @@ def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_g
         two_pass = opts.grad_in_forward_max_vocab
         return _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass)
     if _coefficient_path(cfg, logits, opts):
+        on_policy, given_weights = batch.old_logp is None, batch.rollout_weights is not None
+        if seq_token_loss.is_eligible(cfg, on_policy=on_policy, has_rollout_weights=given_weights):
+            return _fused_sequence_level(logits, masked_ids, batch, temperature, inplace_backward)
         return _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward)
     tp = tp_group is not None
     if not tp and _token_level_linear(batch, hidden, weight, opts):
@@ -336,6 +341,21 @@ def _fused_token_level_traced(logits, masked_ids, batch, temperature):
     plan = token_loss.plan_from_batch(batch, masked_ids)
     loss, logp, entropy = fn.token_loss_traced(logits, plan, temperature=temperature)
     return _output(loss, logp, entropy if plan.want_entropy else None, batch)
+
+
+def _fused_sequence_level(logits, masked_ids, batch, temperature, inplace_backward):
+    """gspo, gspo_token, gmpo from logits: the two log-prob kernels with the closed-form sequence
+    coefficients of :mod:`rlkernel.rl.seq_token_loss` between them (a few dozen small launches, no
+    autograd); metrics stay lazy."""
+    from rlkernel.ops import _logprobs_function as fn
+
+    want_entropy = batch.cfg.entropy_coef != 0
+    terms = functools.partial(seq_token_loss.seq_terms, batch, masked_ids)
+    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+    loss, logp, entropy = fn.token_loss_triton(
+        logits, source, temperature=temperature, inplace_backward=inplace_backward
+    )
+    return _output(loss, logp, entropy if want_entropy else None, batch)
 
 
 def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward):

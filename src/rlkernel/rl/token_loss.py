@@ -79,7 +79,14 @@ def is_eligible(cfg: PolicyLossConfig, *, on_policy: bool = False) -> bool:
     quantile (their masks need the call's own log-probs / entropies, known only inside the kernel);
     and, for an on-policy call (``on_policy``: ``old_logp=None``), no rollout correction or
     rejection (they would read the call's own log-probs as the old ones)."""
-    if cfg.loss_type not in ELIGIBLE_LOSS_TYPES or cfg.kl_ratio_weighted:
+    return cfg.loss_type in ELIGIBLE_LOSS_TYPES and token_local_rest(cfg, on_policy=on_policy)
+
+
+def token_local_rest(cfg: PolicyLossConfig, *, on_policy: bool = False) -> bool:
+    """Whether everything of ``cfg`` but its policy term is token-level (:func:`is_eligible` less
+    the loss-type condition): the KL term not ratio-weighted, no off-policy sequence mask, no
+    entropy quantile, and no rollout correction or rejection on an on-policy call."""
+    if cfg.kl_ratio_weighted:
         return False
     if cfg.off_policy_mask_threshold is not None or cfg.top_entropy_quantile < 1:
         return False
@@ -106,6 +113,11 @@ def _inverse_index(seg: Segments, n_tokens: int) -> torch.Tensor | None:
     # Padding slots all point at the spare entry N (any of them may win: it is dropped).
     inv.scatter_(0, gather, torch.arange(gather.numel(), device=gather.device))
     return inv[:n_tokens]
+
+
+def tokens_from_padded(x: torch.Tensor, seg: Segments, n_tokens: int) -> torch.Tensor:
+    """An ``[S, L]`` tensor back to the ``[N]`` flat token order (contiguous; padding dropped)."""
+    return _to_tokens(x, seg, _inverse_index(seg, n_tokens))
 
 
 def _normalizer(value, device) -> tuple[float, torch.Tensor | None]:
@@ -207,16 +219,28 @@ def _rollout_terms(batch: LossBatch, act2: torch.Tensor) -> tuple[torch.Tensor |
     return weight, keep
 
 
-def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tensor]) -> TokenLossPlan:
+def plan_from_batch(
+    batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tensor], *, policy_term: bool = True
+) -> TokenLossPlan:
     """:func:`build_plan` of inputs already validated into ``batch`` (checks nothing again).
 
     Args:
         batch: from :func:`rlkernel.rl.batch.validate_batch`, of an eligible config.
         masked_ids: ``(ids, active)``: int64 ids with ``IGNORE_INDEX`` at masked positions and the
             bool mask of active positions, the per-token shape.
+        policy_term: False: a plan without the policy term (``reinforce`` with zero advantages: its
+            term and gradient are 0) for any loss type — the KL and entropy terms, the aggregation
+            weights, the rollout weights and the rejection of ``batch``, for a caller that adds a
+            policy term of its own (:mod:`rlkernel.rl.seq_token_loss`). The other conditions of
+            :func:`is_eligible` still apply.
     """
     cfg, seg, device = batch.cfg, batch.segments, batch.device
-    if not is_eligible(cfg, on_policy=batch.old_logp is None):
+    on_policy = batch.old_logp is None
+    if policy_term:
+        eligible = is_eligible(cfg, on_policy=on_policy)
+    else:
+        eligible = token_local_rest(cfg, on_policy=on_policy)
+    if not eligible:
         raise ValueError(
             f"this call has no token-level plan: loss_type must be one of {ELIGIBLE_LOSS_TYPES} (got "
             f"{cfg.loss_type!r}), without kl_ratio_weighted, off_policy_mask_threshold or "
@@ -238,7 +262,10 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
     # Per-sequence values of a padded batch stay [S]: the kernel reads sequence token // T.
     adv = batch.advantages.detach()
     adv_per_seq = batch.advantages_per_seq and not seg.is_packed
-    if not batch.advantages_per_seq or adv_per_seq:
+    if not policy_term:  # reinforce's −A·logp with A = 0: no policy term, no gradient from it
+        adv_per_seq = not seg.is_packed
+        adv_t = torch.zeros(seg.n_seqs if adv_per_seq else n, dtype=torch.float32, device=device)
+    elif not batch.advantages_per_seq or adv_per_seq:
         adv_t = _flat_f32(adv)
     else:
         adv_t = _to_tokens(adv.to(torch.float32)[:, None], seg, inverse)
@@ -280,11 +307,11 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
     else:
         clip_lo = 1.0 - cfg.clip_low if cfg.clip_low is not None else -inf
     scalars = TokenLossScalars(
-        loss=cfg.loss_type,
+        loss=cfg.loss_type if policy_term else "reinforce",
         clip_lo=clip_lo,
         clip_hi=1.0 + cfg.clip_high,
         delta=cfg.delta if cfg.delta is not None else inf,
-        dual_clip=cfg.dual_clip,
+        dual_clip=cfg.dual_clip if policy_term else None,
         tau_pos=cfg.sapo_tau_pos,
         tau_neg=cfg.sapo_tau_neg,
         kl=kl,
@@ -296,7 +323,7 @@ def plan_from_batch(batch: LossBatch, masked_ids: tuple[torch.Tensor, torch.Tens
     )
     return TokenLossPlan(
         ids=flat_ids,
-        old=_flat_f32(old_logp) if old_logp is not None else None,
+        old=_flat_f32(old_logp) if old_logp is not None and policy_term else None,
         adv=adv_t,
         ref=_flat_f32(ref_logp) if use_kl else None,
         rollout_w=rollout_w,
