@@ -28,6 +28,15 @@ CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 
 
 BACKEND = ["reference"]  # set per test by the autouse fixture below
+# The Triton backend runs on the GPU when there is one, else in the interpreter on the CPU.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _dev(x):
+    """``x`` on the device of the backend under test (tensors only)."""
+    if isinstance(x, torch.Tensor) and BACKEND[0] == "triton":
+        return x.to(KERNEL_DEVICE)
+    return x
 
 
 @pytest.fixture(autouse=True, params=["reference", "triton"])
@@ -62,20 +71,22 @@ def _check(cfg, batch, *, cu=None, on_policy=False, rollout_weights=None, **norm
     inputs = [logp64, ent64] if want_entropy else [logp64]
     want_grads = torch.autograd.grad(want.loss, inputs, allow_unused=True, materialize_grads=True)
 
-    ids = _ids(batch["mask"])
-    to32 = {k: (v.detach().to(F32) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+    ids = _dev(_ids(batch["mask"]))
+    to32 = {k: _dev(v.detach().to(F32) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
             for k, v in kw.items()}  # fmt: skip
-    lb = validate_batch(cfg, ids, old_logp=None if old is None else old.detach().to(F32),
-                        advantages=batch["advantages"].detach().to(F32), mask=batch["mask"],
+    lb = validate_batch(cfg, ids, old_logp=None if old is None else _dev(old.detach().to(F32)),
+                        advantages=_dev(batch["advantages"].detach().to(F32)), mask=_dev(batch["mask"]),
                         like_name="token_ids", **to32)  # fmt: skip
     assert seq_mod.is_eligible(cfg, on_policy=on_policy, has_rollout_weights=rollout_weights is not None)
     with rk.use_backend(BACKEND[0]):
         terms = seq_mod.seq_terms(
             lb,
             masked_token_ids(ids, lb.mask),
-            batch["logp"].detach().to(F32),
-            batch["entropy"].detach().to(F32) if want_entropy else None,
+            _dev(batch["logp"].detach().to(F32)),
+            _dev(batch["entropy"].detach().to(F32)) if want_entropy else None,
         )
+    parts = (terms.loss, terms.g_logp, terms.g_entropy)
+    terms = type(terms)(*(None if t is None else t.cpu() for t in parts))
     torch.testing.assert_close(terms.loss, want.loss.to(F32), **TOL, equal_nan=True)
     torch.testing.assert_close(terms.g_logp, want_grads[0].reshape(-1).to(F32), **TOL, equal_nan=True)
     if want_entropy:
@@ -120,12 +131,14 @@ def test_zero_global_normalizer_with_active_tokens_gives_nan(name):
     the coefficients of the active tokens that have a slope (policy_loss's autograd gives 0 at some
     of them, a clipped branch times an infinite upstream gradient: the gradients are not compared)."""
     batch = make_batch(3, 5, seed=12, dtype=F32)
-    ids = _ids(batch["mask"])
-    lb = validate_batch(config(name), ids, old_logp=batch["old_logp"].detach(), mask=batch["mask"],
-                        advantages=batch["advantages"], global_tokens=torch.tensor(0.0),
+    ids = _dev(_ids(batch["mask"]))
+    lb = validate_batch(config(name), ids, old_logp=_dev(batch["old_logp"].detach()),
+                        mask=_dev(batch["mask"]),
+                        advantages=_dev(batch["advantages"]), global_tokens=_dev(torch.tensor(0.0)),
                         like_name="token_ids")  # fmt: skip
     with rk.use_backend(BACKEND[0]):
-        terms = seq_mod.seq_terms(lb, masked_token_ids(ids, lb.mask), batch["logp"].detach(), None)
+        terms = seq_mod.seq_terms(lb, masked_token_ids(ids, lb.mask), _dev(batch["logp"].detach()), None)
+    terms = type(terms)(terms.loss.cpu(), terms.g_logp.cpu(), None)
     want = rk.policy_loss(batch["logp"], batch["old_logp"], batch["advantages"], batch["mask"], config(name),
                           global_tokens=torch.tensor(0.0))  # fmt: skip
     assert torch.isnan(terms.loss) and torch.isnan(want.loss)
