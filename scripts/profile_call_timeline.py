@@ -9,7 +9,8 @@ bf16 requiring grad, ragged lengths, default arguments). Per case and vocabulary
   ms per call, and the host ms of a call (perf_counter around the call, no synchronize);
 * one isolated call under ``torch.profiler``: each GPU kernel's start offset from the call's start
   and its duration, and the GPU's idle time inside the call (what the host made it wait for);
-* cProfile of 50 calls: the Python functions with the most own time (tottime).
+* cProfile of 50 isolated calls: rlkernel's functions by cumulative time, every function by own
+  time.
 
 Prints a compact table per case; ``--liger`` adds Liger's ``GrpoLossFunction`` for comparison
 (needs liger-kernel).
@@ -104,15 +105,21 @@ def _timeline(step):
 
 
 def _cprofile(step, n=50):
+    """cProfile of ``n`` isolated calls (the queue drained between calls, outside the profile), so
+    no function's time includes waiting for the GPU: rlkernel's functions by cumulative time, then
+    every function by own time."""
     prof = cProfile.Profile()
-    prof.enable()
     for _ in range(n):
+        torch.cuda.synchronize()
+        prof.enable()
         step()
-    prof.disable()
+        prof.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
-    return out.getvalue()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("cumulative").print_stats("rlkernel", 30)
+    stats.sort_stats("tottime").print_stats(25)
+    return f"(per call: divide by {n})\n" + out.getvalue()
 
 
 def main() -> None:

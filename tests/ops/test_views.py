@@ -135,3 +135,31 @@ def test_fused_policy_loss_window_gives_the_base_gradient(name, route, set_optio
     outside = torch.ones_like(base.grad, dtype=torch.bool)
     cut(outside).fill_(False)
     assert bool((base.grad[outside] == 0).all())
+
+
+@pytest.mark.parametrize("name", list(WINDOWS) + ["[1, 2:5]", "[:, 1:2, :]"])
+def test_zero_outside_zeroes_exactly_the_rows_outside_the_window(name):
+    """Every row outside the window becomes 0, every row inside keeps its bits (a 4-dim base too:
+    chunks are cut per leading index until contiguous)."""
+    take = WINDOWS.get(name) or {"[1, 2:5]": lambda x: x[1, 2:5], "[:, 1:2, :]": lambda x: x[:, 1:2, :]}[name]
+    base = _base(seed=3)
+    if name == "[:, 1:2, :]":  # a 4-dim base [B, 3, P+T, V]: the window is a box of dims 0-1
+        base = torch.randn(B, 3, P + T, V, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+    _, window = window_of(take(base))
+    t = base.detach().clone()
+    inside = torch.zeros(t.shape, dtype=torch.bool)
+    window.of(inside)[...] = True
+    window.zero_outside(t)
+    assert torch.equal(t[inside], base.detach()[inside])
+    assert torch.count_nonzero(t[~inside]) == 0 and torch.count_nonzero(t[inside]) > 0
+
+
+def test_contiguous_chunks_cover_a_strided_slice_in_order():
+    from rlkernel.ops._views import MAX_CHUNKS, _contiguous_chunks
+
+    x = torch.arange(5 * 7 * 3).reshape(5, 7, 3)
+    chunks = _contiguous_chunks(x[:, 2:4])
+    assert len(chunks) == 5 and all(c.is_contiguous() for c in chunks)
+    assert torch.equal(torch.stack(chunks), x[:, 2:4])
+    wide = torch.zeros(MAX_CHUNKS + 1, 4, 2)[:, :2]  # too many pieces: the strided view itself
+    assert len(_contiguous_chunks(wide)) == 1

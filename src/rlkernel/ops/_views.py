@@ -38,14 +38,37 @@ class Window:
 
     def zero_outside(self, t: torch.Tensor) -> None:
         """Zero every row of ``t`` (the base's shape) outside the window: at most two slices per
-        leading dim (before and after the window), never a row inside it."""
+        leading dim (before and after the window), never a row inside it.
+
+        The slices are cut into contiguous chunks (``[b, :P-1]`` per sequence of a ``[B, P+T, V]``
+        base) and zeroed by one ``torch._foreach_zero_``: a strided ``zero_()`` of a base with more
+        than 2³¹ elements runs as TensorIterator's split, non-vectorized kernels at about half the
+        copy bandwidth (two 100 µs kernels for the 309 MB of prompt rows at V = 151,936 on an
+        H100, 2026-11-24)."""
+        chunks: list[torch.Tensor] = []
         for d, sl in enumerate(self.index[:-1]):
             prefix = self.index[:d]
             start, stop = (sl, sl + 1) if isinstance(sl, int) else (sl.start, sl.stop)
             if start > 0:
-                t[(*prefix, slice(0, start))].zero_()
+                chunks += _contiguous_chunks(t[(*prefix, slice(0, start))])
             if stop < t.shape[d]:
-                t[(*prefix, slice(stop, None))].zero_()
+                chunks += _contiguous_chunks(t[(*prefix, slice(stop, None))])
+        if chunks:
+            torch._foreach_zero_(chunks)
+
+
+MAX_CHUNKS = 256  # beyond this many pieces per slice, one strided zero_() costs less host time
+
+
+def _contiguous_chunks(x: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``x`` that are each contiguous and together cover it (``x`` itself when contiguous
+    or when splitting would take more than ``MAX_CHUNKS`` views)."""
+    if x.numel() == 0:
+        return []
+    if x.is_contiguous() or x.dim() < 2 or x.shape[0] > MAX_CHUNKS:
+        return [x]
+    pieces = [c for row in x.unbind(0) for c in _contiguous_chunks(row)]
+    return pieces if len(pieces) <= MAX_CHUNKS else [x]
 
 
 def window_of(logits: torch.Tensor) -> tuple[torch.Tensor, Window] | None:
