@@ -60,15 +60,16 @@ are not staged: the active rows are gathered (``index_select``) into the staging
 so every GEMM runs over active rows only, and the results are scattered back (``index_copy``;
 ignored rows: logp = entropy = 0, dhidden rows exactly 0, nothing in dweight/dbias). One host sync
 per call (``nonzero``: the active count sizes the host loop); none, and no compaction, inside
-CUDA-graph capture (``_linear_engine._active_rows``). A compacted row sits at another position of its chunk
-than uncompacted: no bit changes with the invariant GEMM; with cuBLAS none as long as it computes
-every row of a fixed-shape GEMM alike (checked at real size by tests/gpu/test_linear_invariant.py
-and tests/gpu/test_linear.py). The fused loss's ``coef_fn`` then gets, instead of a contiguous
-``slice``, the int64 flat positions of the chunk's rows (increasing). What changes with compaction
-is only the order of sums over rows: the loss (a sum of per-chunk partial sums), dweight and dbias
-(sums over other row groupings), and dhidden (the same rows in group GEMMs of other shapes) agree
-with the uncompacted path to fp32 rounding; logp, entropy and the per-token coefficients are
-bitwise the same wherever the chunk logits are (tests/ops/test_linear_compaction.py).
+CUDA-graph capture (``_linear_engine._active_rows``). The fused loss's ``coef_fn`` then gets,
+instead of a contiguous ``slice``, the int64 flat positions of the chunk's rows (increasing).
+A compacted row sits at another position of its chunk than uncompacted: its logits keep their
+bits with the invariant GEMM, and with cuBLAS as long as it computes every row of a fixed-shape
+GEMM alike (checked at real size by tests/gpu/test_linear_invariant.py and
+tests/gpu/test_linear.py); its logp, entropy, per-token coefficients and logits-gradient row
+follow from them elementwise, so they keep their bits too. What changes is the order of the sums
+over rows: the loss (a sum of per-chunk partial sums), dweight and dbias (sums over other row
+groupings) and dhidden (the same gradient rows in group GEMMs of other shapes) agree with the
+uncompacted path to fp32 rounding of those sums (tests/ops/test_linear_compaction.py).
 
 Invariant mode (``invariant_logits``: ``linear_token_logprobs(..., invariant=True)``). The chunk
 logits come from the batch-invariant GEMM (``kernels.matmul.matmul_into``: the kernel, the
@@ -481,14 +482,10 @@ def fused_linear_token_loss(
         token_ids: ``[...]`` integer ids, ``ignore_index`` at positions outside the loss.
         chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits: as in
             :func:`linear_token_logprobs_triton`.
-        compact: padding compaction, as in :func:`linear_token_logprobs_triton` (one host sync for
-            the active count; none and no compaction inside CUDA-graph capture): the rows with
-            ``ignore_index`` ids are neither staged, projected nor given gradient work, and
-            ``coef_fn`` gets index tensors. The active rows' logp/entropy and coefficients are
-            those of the uncompacted path (bitwise where its chunk logits are, see the module
-            docstring); the loss, dweight, dbias and dhidden to fp32 rounding of the row sums,
-            whose order changes. ``False`` (tests): every row is projected, ``coef_fn`` gets
-            slices.
+        compact: padding compaction (module docstring): the rows with ``ignore_index`` ids are
+            neither staged, projected nor given gradient work, and ``coef_fn`` gets index tensors;
+            the loss and gradients change only by the order of their sums over rows. ``False``
+            (tests): every row is projected, ``coef_fn`` gets slices.
 
     Raises:
         TypeError: fp64 (or non-float) inputs, or weight/hidden dtypes that differ.
