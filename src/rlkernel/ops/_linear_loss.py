@@ -30,7 +30,7 @@ def autograd_coef_fn(chunk_loss: ChunkLoss):
     returned coefficients are their gradients, fp32 ``[n]``.
     """
 
-    def coef_fn(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None):
+    def coef_fn(rows: slice | torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None):
         lp = logp.detach().requires_grad_(True)
         ent = None if entropy is None else entropy.detach().requires_grad_(True)
         with torch.enable_grad():
