@@ -12,7 +12,7 @@
 #                   (its own limits are 480 s + 300 s: raise STEP_TIMEOUT to match)
 #   consistency     scripts/gpu_consistency.sh         (rollout vs training log-probs, patched model)
 #   bench_logits    rlkernel bench logits (~3-4 min on an H100: give it STEP_TIMEOUT=420)
-#   bench_linear    rlkernel bench linear
+#   bench_linear    rlkernel bench linear (~6-8 min on an H100: give it STEP_TIMEOUT=560)
 #   bench_invariant rlkernel bench invariant
 # BENCH_ARGS reaches the bench steps, e.g. the opt-in variants: BENCH_ARGS="--impl rlkernel,rlkernel_composed".
 # Outputs: $OUT/gpu_run.tgz (logs/<step>.log and results/*), and a summary table at the end.

@@ -283,6 +283,37 @@ class TokenLossPlan:
             row0=self.row0 + start,
         )
 
+    def take(self, index: torch.Tensor) -> TokenLossPlan:
+        """The plan of the tokens at positions ``index`` (int64 ``[n]`` into this plan's rows, e.g.
+        the active rows of a compacted chunk): per-token tensors gathered, per-sequence ones gathered
+        per token (``adv``/``factor`` become per token, so ``row0`` no longer matters), ``denom``
+        kept. Each token keeps the constants it has here, so its loss terms and coefficients are
+        the same numbers; device ops only, no host sync."""
+        seq = None
+
+        def gather(t: torch.Tensor | None, per_seq: bool = False) -> torch.Tensor | None:
+            nonlocal seq
+            if t is None:
+                return None
+            if not per_seq:
+                return t.index_select(0, index)
+            if seq is None:
+                seq = (index + self.row0).div(self.seq_len, rounding_mode="floor")
+            return t.index_select(0, seq)
+
+        return dataclasses.replace(
+            self,
+            ids=gather(self.ids),
+            old=gather(self.old),
+            adv=gather(self.adv, self.adv_per_seq),
+            ref=gather(self.ref),
+            rollout_w=gather(self.rollout_w),
+            factor=gather(self.factor, self.factor_per_seq),
+            adv_per_seq=False,
+            factor_per_seq=False,
+            row0=0,
+        )
+
     def kernel_inputs(self, absent: torch.Tensor) -> TokenLossKernelInputs:
         """The per-token input pointers in kernel order; ``absent`` (any tensor on the device, never
         read) stands in for the inputs the plan does not have."""

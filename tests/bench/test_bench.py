@@ -339,6 +339,43 @@ def test_harness_runs_any_suite_and_records_failures(tmp_path):
     assert "error: RuntimeError: boom" in table and "skipped: n/a" in table
 
 
+@pytest.mark.parametrize("oracle_fails", [False, True])
+def test_harness_untimed_reference(oracle_fails):
+    """A reference that is not one of the timed implementations (an oracle the setup provides under
+    the workload's ``reference`` name): called once, given no row, and every row is cross-checked
+    against it; if it fails, the rows stand without a cross-check."""
+    x = torch.randn(8, 8)
+    oracle_calls = []
+
+    def setup(device, impls, copies):
+        def oracle(i):
+            oracle_calls.append(i)
+            if oracle_fails:
+                raise RuntimeError("out of oracle")
+            return harness.CallResult((x.sum(),), (x,))
+
+        def a(i):
+            return harness.CallResult((x.sum() + 2e-3,), (x * 1.5,))
+
+        def b(i):
+            return harness.CallResult((x.sum(),), (x,))
+
+        return harness.Prepared({"a": a, "b": b, "oracle": oracle})
+
+    workload = harness.Workload("toy", "fwd", {"n": 8}, 512, None, 256, ("a", "b"), "oracle", setup)
+    suite = harness.Suite("toy", "a toy", ("a", "b"), ("toy",), ("n",), "a", lambda opts: [workload])
+    opts = harness.Options(device=torch.device("cpu"), smoke=True, warmup=0, rounds=1, reps=1)
+    rows, _ = harness.run_suite(suite, opts, log=lambda line: None)
+    by = {r["impl"]: r for r in rows}
+    assert list(by) == ["a", "b", "ceiling"] and oracle_calls == [0]
+    assert by["a"]["status"] == by["b"]["status"] == "ok"
+    if oracle_fails:
+        assert by["a"]["max_abs_diff"] is None and by["b"]["grad_rel_diff"] is None
+    else:
+        assert by["a"]["max_abs_diff"] == pytest.approx(2e-3, rel=1e-2)
+        assert by["a"]["grad_rel_diff"] == pytest.approx(0.5) and by["b"]["max_abs_diff"] == 0
+
+
 def test_time_interleaved_queue_ahead_flag_on_cpu_is_plain_timing():
     """``queue_ahead`` only changes CUDA timing; on the CPU the calls are timed as before."""
     calls = {"a": lambda i: sum(range(100)), "b": lambda i: sum(range(200))}

@@ -7,6 +7,7 @@ be cross-checked agree with the plain-PyTorch reference.
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 import torch
@@ -15,6 +16,10 @@ from rlkernel.bench import SUITES, cli, harness
 from rlkernel.bench import invariant as bi
 from rlkernel.bench import linear as bli
 from rlkernel.bench import logits as bl
+
+# The engine variant's Triton kernels run on the CPU only in the interpreter (tests/conftest.py
+# turns it on when there is no GPU); on a GPU machine the CPU smoke run skips it.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def run(tmp_path, suite: str, impls: tuple[str, ...], workloads: tuple[str, ...]) -> list[dict]:
@@ -59,20 +64,24 @@ def test_logits_variants(tmp_path):
 
 
 def test_linear_variants(tmp_path):
-    """The chunk-logits dtype and dweight accumulation options on the public call (bf16 logits of
-    the plain-torch reference: loose bounds, as in test_bench_linear.py); no bf16 dweight variant
-    for the frozen weight."""
-    kinds = ("lmhead_logprobs_fwd_bwd", "lmhead_dapo_kl_frozen_fwd_bwd")
+    """The fused engine driven directly (losses only; the Triton interpreter on the CPU), the
+    chunk-logits dtype and dweight accumulation options on the public call, each cross-checked
+    against the fp32 reference (bf16 gradients); no bf16 dweight variant for the frozen weight."""
+    kinds = ("ragged_logprobs_entropy_fwd_bwd", "lmhead_dapo_kl_frozen_fwd_bwd")
     rows = run(tmp_path, "linear", ("torch", *bli.VARIANTS), kinds)
-    got = {(r["workload"], r["impl"]) for r in rows}
-    assert ("lmhead_logprobs_fwd_bwd", "rlkernel_dw_weight") in got
+    got = {(r["workload"], r["impl"]): r for r in rows}
+    assert ("ragged_logprobs_entropy_fwd_bwd", "rlkernel_dw_weight") in got
+    assert ("ragged_logprobs_entropy_fwd_bwd", "rlkernel_engine") not in got
     assert ("lmhead_dapo_kl_frozen_fwd_bwd", "rlkernel_logits_input") in got
     assert ("lmhead_dapo_kl_frozen_fwd_bwd", "rlkernel_dw_weight") not in got
-    for r in rows:
-        if r["impl"] in bli.VARIANTS:
-            assert r["status"] == "ok", r
-            assert float(r["max_abs_diff"]) <= 0.1 and float(r["grad_rel_diff"]) <= 0.1, r
-            assert "linear_" in r["notes"]
+    engine = got[("lmhead_dapo_kl_frozen_fwd_bwd", "rlkernel_engine")]
+    assert engine["status"] == "ok" or not INTERPRET
+    for (_, impl), r in got.items():
+        if impl not in bli.VARIANTS or r["status"].startswith("skipped"):
+            continue
+        assert r["status"] == "ok", r
+        assert float(r["max_abs_diff"]) <= 1e-4 and float(r["grad_rel_diff"]) <= 1e-2, r
+        assert ("fused_linear_token_loss" if impl == "rlkernel_engine" else "linear_") in r["notes"]
 
 
 def test_invariant_variants_and_training_workloads(tmp_path):

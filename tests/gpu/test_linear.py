@@ -221,6 +221,56 @@ def test_fused_dapo_kl_matches_composed_loss(loss_case, coefs, against):
         assert rel_err(got, exp) <= grad_tol, name
 
 
+@pytest.mark.parametrize(
+    "mode", ["default fp32", "default input", pytest.param("invariant", marks=pytest.mark.cpu_smoke)]
+)
+def test_fused_loss_padding_compaction(mode):
+    """The fused DAPO-KL loss from hidden states on ragged responses (T = 1024, lengths uniform in
+    [T/4, T]: ~37 % padding, at the end of each sequence), compacted (the default: only the
+    active rows are staged and projected) vs ``compact=False``: the active rows' logp bitwise
+    (the same chunk GEMMs, the rows at other positions: by construction for the invariant GEMM,
+    and what tests/gpu/test_linear_invariant.py checks for cuBLAS); the loss to fp32 rounding and
+    the gradients to bf16 rounding (sums over rows in another order); masked rows' dhidden exactly
+    0. In the CPU smoke run only the invariant mode runs (the default path's CPU GEMMs are BLAS
+    calls whose bits may depend on a row's position)."""
+    from rlkernel.ops import token_loss as tl_ops
+    from rlkernel.rl import token_loss as tl
+
+    inp = make_inputs(S.n, seed=8)
+    g = generator(9)
+    t = S.seq_len
+    b = S.n // t
+    lengths = torch.randint(t // 4, t + 1, (b, 1), device=DEVICE, generator=g)
+    mask = torch.arange(t, device=DEVICE) < lengths
+    ids = torch.where(mask, inp.ids.view(b, t).clamp(min=0), -100)
+    old = -5.0 + 0.5 * torch.randn(b, t, device=DEVICE, generator=g)
+    plan = tl.build_plan(
+        dapo_kl(), token_ids=ids, old_logp=old, advantages=torch.randn(b, device=DEVICE, generator=g),
+        mask=mask, ref_logp=old + 0.1 * torch.randn(b, t, device=DEVICE, generator=g),
+    )  # fmt: skip
+    if mode == "invariant":
+        kw = {"invariant_logits": torch.bfloat16}
+    else:
+        kw = {"logits_dtype": mode.split()[1]}
+    table = {"matmul_table": "single"} if SMOKE else {}  # the tuned table's tiles are slow to interpret
+    runs = []
+    for compact in (True, False):
+        params = leaves(inp)
+        with rk.use_options(**table):
+            loss, logp = lf.fused_linear_token_loss(
+                *params, plan.ids, coef_fn=tl_ops.as_coef_fn(plan), temperature=T, compact=compact, **kw
+            )
+        runs.append((loss.detach(), logp, torch.autograd.grad(loss, params)))
+    (loss, logp, grads), (loss_full, logp_full, grads_full) = runs
+    assert torch.equal(logp, logp_full), "compaction changed a log-prob bit"
+    assert abs(loss.item() - loss_full.item()) <= 1e-5 * max(1.0, abs(loss_full.item()))
+    for name, got, want in zip(("dhidden", "dweight", "dbias"), grads, grads_full, strict=True):
+        assert rel_err(got, want) <= 1e-3, name
+    ignored = (plan.ids == -100).view(-1)
+    assert 0.2 < ignored.float().mean().item() < 0.6
+    assert bool((grads[0][ignored] == 0).all()) and bool((logp[ignored] == 0).all())
+
+
 # -------------------------------------------------------------------- size, invariance, determinism
 @real_size_only
 def test_more_than_2_pow_31_logits_first_and_last_rows():

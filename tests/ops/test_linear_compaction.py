@@ -1,6 +1,7 @@
-"""Padding compaction of the linear primitive (``linear_token_logprobs`` on the chunk engine): rows
-whose id is ``ignore_index`` are neither staged nor projected; the active rows are packed, their
-results scattered back.
+"""Padding compaction of the chunk engine, in the linear primitive (``linear_token_logprobs``) and
+in the fused token-level loss (``fused_linear_token_loss``, whose ``coef_fn`` then gets the flat
+positions of each chunk's rows): rows whose id is ``ignore_index`` are neither staged, projected
+nor given gradient work; the active rows are packed, their results scattered back.
 
 Checked in the Triton interpreter (the GPU code, with ``torch.mm`` on the CPU for the default
 path's GEMMs): the compacted and uncompacted (``compact=False``) paths agree, bitwise with
@@ -130,3 +131,138 @@ def test_all_rows_ignored_and_none_ignored():
     got, full = run(h, w, b, ids), run(h, w, b, ids, compact=False)
     assert torch.equal(got[0], full[0])
     assert all(torch.equal(x, y) for x, y in zip(got[2], full[2], strict=True))
+
+
+# ------------------------------------------------------------------------------------- fused loss
+B, T = 4, 16  # [B, T] padded, or a packed stream of the same 64 tokens
+PACKED_LENS = (10, 23, 7, 24)
+PATTERNS = ("none", "all", "ragged", "packed")
+
+
+def loss_case(pattern, dtype=torch.float32, seed=11):
+    """Hidden/weight/bias, flat ids with ``-100`` at masked rows (NaN hidden there) and a token-loss
+    plan with per-sequence constants. Masks: ``none`` masked; ``all`` masked; ``ragged`` responses
+    of length U[T/4, T], masked at the end of each sequence; ``packed`` sequences of PACKED_LENS,
+    a masked prompt at the start of each."""
+    from rlkernel.rl import token_loss as tl
+
+    g = torch.Generator().manual_seed(seed)
+    n = B * T
+    h, w, b, ids = make(n=n, dtype=dtype, seed=seed, active_frac=1.1)
+    cu = None
+    if pattern in ("none", "all"):
+        mask = torch.full((B, T), pattern == "none")
+    elif pattern == "ragged":
+        lengths = torch.randint(T // 4, T + 1, (B, 1), generator=g)
+        mask = torch.arange(T) < lengths
+    else:
+        cu = torch.tensor([0, *torch.tensor(PACKED_LENS).cumsum(0).tolist()])
+        mask = torch.ones(n, dtype=torch.bool)
+        for start, length in zip(cu[:-1].tolist(), PACKED_LENS, strict=True):
+            mask[start : start + int(torch.randint(1, length // 2 + 1, (), generator=g))] = False
+    shape = mask.shape
+    ids = torch.where(mask.reshape(-1), ids, -100)
+    h[ids == -100] = float("nan")  # garbage where nothing may be read
+    old = torch.randn(shape, generator=g) * 0.3 - 3.0
+    # seq-mean-token-mean with an entropy bonus: per-sequence advantages and 1/n_i factors (padded)
+    cfg = rk.PolicyLossConfig.preset("dapo", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01,
+                                     aggregation="seq-mean-token-mean")  # fmt: skip
+    adv, ref_logp = torch.randn(len(PACKED_LENS), generator=g), old + 0.2 * torch.randn(shape, generator=g)
+    plan = tl.build_plan(
+        cfg, token_ids=ids.reshape(shape), old_logp=old, advantages=adv, mask=mask, ref_logp=ref_logp,
+        cu_seqlens=cu,
+    )  # fmt: skip
+    return h, w, b, plan
+
+
+def run_loss(h, w, b, plan, **kw):
+    """The fused engine driven by the plan's coefficients: (loss, logp, entropy, grads, g_logp) with
+    the per-token coefficients ``coef_fn`` returned, scattered to their flat positions."""
+    from rlkernel.ops import token_loss as tl_ops
+
+    inner = tl_ops.as_coef_fn(plan)
+    g_logp = torch.full((plan.n_tokens,), float("nan"))
+
+    def coef_fn(rows, logp, entropy):
+        out = inner(rows, logp, entropy)
+        g_logp[rows] = out[1]
+        return out
+
+    params = [t.detach().clone().requires_grad_(True) for t in (h, w, b)]
+    loss, logp, ent = lf.fused_linear_token_loss(
+        *params, plan.ids, coef_fn=coef_fn, temperature=0.8, with_entropy=True, chunk_rows=8, grad_rows=16,
+        **kw,
+    )  # fmt: skip
+    grads = torch.autograd.grad(loss, params)
+    return loss.detach(), logp, ent, grads, g_logp
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_fused_loss_invariant_mode_compacted_equals_uncompacted(pattern):
+    """With the invariant GEMM on both sides: logp, entropy and the per-token coefficients bitwise;
+    the loss, whose chunk sums run over other rows, to fp32 rounding; gradients to bf16 rounding
+    of the backward GEMMs over other row groupings. Masked rows: logp = entropy = 0, dhidden
+    exactly +0 (NaN garbage there reaches nothing)."""
+    h, w, b, plan = loss_case(pattern, torch.bfloat16)
+    got = run_loss(h, w, b, plan, invariant_logits=torch.bfloat16)
+    full = run_loss(h, w, b, plan, invariant_logits=torch.bfloat16, compact=False)
+    ignored = plan.ids == -100
+    assert torch.equal(got[1], full[1]) and torch.equal(got[2], full[2])
+    assert torch.equal(got[4][~ignored], full[4][~ignored])
+    assert bool(got[4][ignored].isnan().all()), "coef_fn saw a masked row"
+    torch.testing.assert_close(got[0], full[0], atol=1e-6, rtol=1e-6)
+    for a, e in zip(got[3], full[3], strict=True):
+        assert bool(torch.isfinite(a).all()) and (pattern == "all" or _rel(a, e) < 1e-2)
+    dh = got[3][0]
+    assert bool((dh[ignored] == 0).all()) and not bool(torch.signbit(dh[ignored]).any())
+    assert bool((got[1][ignored] == 0).all()) and bool((got[2][ignored] == 0).all())
+    if pattern == "none":  # nothing to compact: the same path, bitwise
+        assert torch.equal(got[0], full[0])
+        assert all(torch.equal(x, y) for x, y in zip(got[3], full[3], strict=True))
+    if pattern == "all":
+        assert got[0].item() == 0 and not any(bool(g.any()) for g in got[3])
+
+
+@pytest.mark.parametrize("pattern", ["ragged", "packed"])
+def test_fused_loss_default_path_compacted_matches_uncompacted_and_reference(pattern):
+    """The default (cuBLAS; here CPU torch.mm) path in fp32: compacted vs uncompacted to fp32
+    rounding (the CPU GEMMs' bits may depend on a row's position), and the loss and gradients
+    against ``policy_loss`` of the fp32 reference's log-probs (an independent oracle)."""
+    from rlkernel.reference import logprobs as ref
+
+    h, w, b, plan = loss_case(pattern, seed=12)
+    got = run_loss(h, w, b, plan)
+    full = run_loss(h, w, b, plan, compact=False)
+    active = plan.ids != -100
+    assert (got[1] - full[1]).abs().max() <= 1e-6 and (got[2] - full[2]).abs().max() <= 1e-6
+    assert (got[4][active] - full[4][active]).abs().max() <= 1e-6
+    torch.testing.assert_close(got[0], full[0], atol=1e-6, rtol=1e-6)
+    for a, e in zip(got[3], full[3], strict=True):
+        assert _rel(a, e) <= 1e-6
+    # the oracle: the plan's loss (reference backend) on the reference's fp32 log-probs, autograd
+    from rlkernel.ops import token_loss as tl_ops
+
+    params = [t.detach().clone().requires_grad_(True) for t in (h, w, b)]
+    logp, ent = ref.linear_token_logprobs(
+        *params[:2], plan.ids, bias=params[2], temperature=0.8, return_entropy=True
+    )
+    terms = tl_ops.token_loss(plan, logp, ent, backend="reference")
+    ref_logp, ref_ent = logp.detach(), ent.detach()
+    # token_loss returns the coefficients, not a graph: the gradient is their chain rule
+    want = torch.autograd.grad((logp, ent), params, (terms.g_logp, terms.g_entropy))
+    torch.testing.assert_close(got[0], terms.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref_logp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(got[2], ref_ent, atol=2e-5, rtol=0)
+    for a, e in zip(got[3], want, strict=True):
+        assert _rel(a, e) < 1e-5
+
+
+def test_fused_loss_projects_only_active_rows(monkeypatch):
+    h, w, b, plan = loss_case("ragged", torch.bfloat16, seed=13)
+    n_active = int((plan.ids != -100).sum())
+    chunks = []
+    real_chunk = engine._Engine.chunk
+    # seam: count the chunk GEMMs
+    monkeypatch.setattr(engine._Engine, "chunk", lambda self, *a: chunks.append(1) or real_chunk(self, *a))
+    run_loss(h, w, b, plan)
+    assert len(chunks) == -(-n_active // 8) < B * T // 8

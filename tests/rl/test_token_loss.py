@@ -201,3 +201,31 @@ def test_coef_fn_for_chunked_callers():
     parts = [fn(slice(a, b), logp[a:b], ent[a:b]) for a, b in [(0, 7), (7, 15)]]
     torch.testing.assert_close(parts[0][0] + parts[1][0], whole.loss, **TOL)
     assert torch.equal(torch.cat([p[1] for p in parts]), whole.g_logp)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_coef_fn_on_compacted_chunks(aggregation, packed):
+    """A padding-compacted engine hands ``coef_fn`` the flat positions of its active rows (index
+    tensors, in chunks that straddle sequences): the gathered plan (``TokenLossPlan.take``; per-
+    sequence advantages and 1/n_i factors read per token) gives each token the same coefficients
+    as the whole plan, bitwise, and the chunks' loss parts add up to the loss."""
+    cfg = config("ppo", aggregation=aggregation, kl_coef=0.1, entropy_coef=0.02)
+    batch = make_batch(4, 6, seed=13, dtype=F32)
+    cu = None
+    if packed:
+        batch, cu, _ = pack(batch, [6, 3, 5, 4])
+    plan, whole = _check(cfg, batch, cu=cu)
+    assert plan.adv_per_seq == (not packed)
+    assert plan.factor_per_seq == (aggregation != "token-mean" and not packed)
+    fn = tl_mod.as_coef_fn(plan)
+    logp, ent = batch["logp"].detach().reshape(-1), batch["entropy"].detach().reshape(-1)
+    active = (plan.ids != plan.ignore_index).nonzero().squeeze(1)
+    assert 0 < active.numel() < plan.n_tokens
+    total, g_logp, g_ent = torch.zeros(()), torch.zeros(plan.n_tokens), torch.zeros(plan.n_tokens)
+    for rows in active.split(5):  # chunks of 5 active rows
+        part, gl, ge = fn(rows, logp[rows], ent[rows])
+        total += part
+        g_logp[rows], g_ent[rows] = gl, ge
+    torch.testing.assert_close(total, whole.loss, **TOL)  # the sum's order differs: to rounding
+    assert torch.equal(g_logp, whole.g_logp) and torch.equal(g_ent, whole.g_entropy)

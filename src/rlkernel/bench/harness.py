@@ -26,8 +26,10 @@ Method (DESIGN.md, "Performance method"):
 * **Peak extra memory.** ``torch.cuda.reset_peak_memory_stats()``; ``base = memory_allocated()`` with
   the inputs already allocated; one call; ``max_memory_allocated() − base``. Inputs are excluded; the
   outputs of the call (for fwd+bwd: the logits gradient) and all its temporaries are included.
-* **Cross-check.** That same call's outputs are compared with the suite's reference implementation
-  (plain PyTorch): ``max_abs_diff`` over the forward values, ``grad_rel_diff`` = max |g − g_ref| /
+* **Cross-check.** That same call's outputs are compared with the workload's reference
+  (``Workload.reference``: an implementation of the run, plain PyTorch, or an untimed oracle the
+  setup provides under that name, e.g. the ``linear`` suite's fp32 reference, called once and given
+  no row): ``max_abs_diff`` over the forward values, ``grad_rel_diff`` = max |g − g_ref| /
   max |g_ref| over the input gradients. A benchmark of a wrong implementation is worthless, so the
   numbers sit next to the timings.
 * **Roofline.** ``bytes_moved`` / ``flops`` per workload come from the suite (documented there); the
@@ -194,6 +196,25 @@ def _time_all(timed: dict[str, Call], results: dict[str, Measurement], opts: Opt
         results[impl].b2b_calls = opts.loop_calls
 
 
+def _untimed_reference(workload: Workload, prepared: Prepared, device: torch.device) -> CallResult | None:
+    """The outputs of the workload's reference when it is not one of the timed implementations
+    (an oracle the setup provides under that name: one call, no timing, no row), else None. A
+    failing reference leaves the rows without a cross-check (and says so on the console)."""
+    name = workload.reference
+    call = prepared.calls.get(name) if name is not None and name not in workload.impls else None
+    if call is None or isinstance(call, Skip):
+        return None
+    try:
+        out = call(0)
+        synchronize(device)
+        return out
+    except Exception as exc:  # noqa: BLE001 - no cross-check, the timings still stand
+        print(f"    reference {name}: {_error_status(exc)}; no cross-check", flush=True)
+        return None
+    finally:
+        _free(device, collect=True)
+
+
 def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> list[Measurement]:
     """Set up, cross-check, measure memory of, and time every implementation of ``workload``."""
     device = opts.device
@@ -209,6 +230,8 @@ def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> l
         _free(device, collect=True)
         return list(results.values())
     for impl, call in prepared.calls.items():
+        if impl not in results:  # an untimed reference
+            continue
         results[impl].note = prepared.notes.get(impl, "")
         if isinstance(call, Skip):
             results[impl].status = "skipped: " + call.reason
@@ -217,7 +240,7 @@ def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> l
     if workload.reference in runnable:
         runnable.remove(workload.reference)
         runnable.insert(0, workload.reference)
-    ref_out: CallResult | None = None
+    ref_out = _untimed_reference(workload, prepared, device)
     for impl in runnable:
         m, call = results[impl], prepared.calls[impl]
         assert not isinstance(call, Skip)

@@ -103,7 +103,8 @@ class Workload:
         flops: floating-point operations the math needs (None: not reported).
         input_bytes: footprint of one set of inputs (decides L2 rotation).
         impls: the implementations to run, in display order.
-        reference: the implementation the others are cross-checked against.
+        reference: what the others are cross-checked against: one of ``impls``, or the name of an
+            untimed oracle that ``setup`` adds to ``Prepared.calls`` (called once; no row).
         setup: ``setup(device, impls, copies) -> Prepared``; allocates inputs.
         queue_ahead: time GPU work only: an L2-evicting 1 GiB write is queued before each call's
             start event, so the host has issued the call before the GPU reaches it (the launch

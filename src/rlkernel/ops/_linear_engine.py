@@ -5,7 +5,8 @@
 logits (always ``C`` rows: row invariance), runs the log-softmax forward and backward kernels on
 them, and turns a group's logits gradient into dhidden, dweight and dbias contributions. This module
 also holds the loop's small helpers: the ``mm(out_dtype=fp32)`` probe, the per-chunk backward kernel
-call, the fp32 padding of per-row vectors and the dweight buffer.
+call, the fp32 padding of per-row vectors, the dweight buffer, and padding compaction's row
+index and scatter (:func:`_active_rows`, :func:`_scatter`), which both Functions use.
 
 The algorithm, the chunk rule, the memory model and the Caveats are in the docstring of
 :mod:`rlkernel.ops._linear_function`. The tunables (chunk and gradient budgets, logits dtype,
@@ -48,9 +49,10 @@ class EngineSettings:
             in ``logits_dtype`` (``"input"``: rounded to the input dtype as that LM head's output;
             ``"fp32"``: its fp32 accumulator), instead of cuBLAS.
         matmul_table, matmul_thresholds: the options of the invariant GEMM (read with the others).
-        compact: padding compaction (the primitive): only the rows whose id is not
-            ``ignore_index`` are staged and projected (one host sync for their count); their
-            results are scattered back, the others get logp = entropy = dhidden = 0.
+        compact: padding compaction (both Functions): only the rows whose id is not
+            ``ignore_index`` are staged and projected (:func:`_active_rows`: one host sync for
+            their count); their results are scattered back (:func:`_scatter`), the others get
+            logp = entropy = dhidden = 0.
     """
 
     chunk_rows: int | None = None
@@ -314,3 +316,18 @@ def _dweight_buffer(weight, accum):
     # Uninitialized: the first group's GEMM writes it (``_Engine.group_grads``); N = 0 zeroes it.
     dt = torch.float32 if accum == "fp32" else weight.dtype
     return torch.empty(weight.shape, dtype=dt, device=weight.device)
+
+
+def _active_rows(ids: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The indices of the rows whose id is not ``ignore_index`` (int64, increasing), or None when
+    every row is active (nothing to compact). One host sync (the count sizes the row loop); none,
+    and no compaction, inside CUDA-graph capture (a sync cannot be captured)."""
+    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    idx = (ids != ignore_index).nonzero().squeeze(1)
+    return None if idx.numel() == ids.numel() else idx
+
+
+def _scatter(x: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` zeros with ``x[i]`` at position ``idx[i]``."""
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_copy_(0, idx, x)

@@ -55,15 +55,21 @@ call (nothing at N ≫ C; a whole C-row GEMM for a decode-sized N), plus one N·
 staging also zeroes ignored rows, so garbage (NaN) hidden states at ignored positions reach
 neither dweight nor dbias (as in the reference).
 
-Padding compaction (the primitive; ``compact=True``, the default). Rows with ``ignore_index`` ids
+Padding compaction (both Functions; ``compact=True``, the default). Rows with ``ignore_index`` ids
 are not staged: the active rows are gathered (``index_select``) into the staging buffer, packed,
 so every GEMM runs over active rows only, and the results are scattered back (``index_copy``;
 ignored rows: logp = entropy = 0, dhidden rows exactly 0, nothing in dweight/dbias). One host sync
-per call (``nonzero``: the active count sizes the host loop). A compacted row sits at another
-position of its chunk than uncompacted: no bit changes with the invariant GEMM; with cuBLAS none
-as long as it computes every row of a fixed-shape GEMM alike (checked at real size by
-tests/gpu/test_linear_invariant.py). The fused loss is not compacted: its ``coef_fn`` takes
-contiguous row ranges (the token-loss plan is indexed by range).
+per call (``nonzero``: the active count sizes the host loop); none, and no compaction, inside
+CUDA-graph capture (``_linear_engine._active_rows``). The fused loss's ``coef_fn`` then gets,
+instead of a contiguous ``slice``, the int64 flat positions of the chunk's rows (increasing).
+A compacted row sits at another position of its chunk than uncompacted: its logits keep their
+bits with the invariant GEMM, and with cuBLAS as long as it computes every row of a fixed-shape
+GEMM alike (checked at real size by tests/gpu/test_linear_invariant.py and
+tests/gpu/test_linear.py); its logp, entropy, per-token coefficients and logits-gradient row
+follow from them elementwise, so they keep their bits too. What changes is the order of the sums
+over rows: the loss (a sum of per-chunk partial sums), dweight and dbias (sums over other row
+groupings) and dhidden (the same gradient rows in group GEMMs of other shapes) agree with the
+uncompacted path to fp32 rounding of those sums (tests/ops/test_linear_compaction.py).
 
 Invariant mode (``invariant_logits``: ``linear_token_logprobs(..., invariant=True)``). The chunk
 logits come from the batch-invariant GEMM (``kernels.matmul.matmul_into``: the kernel, the
@@ -104,8 +110,9 @@ Caveats:
     * fp32 logits need their gradient in bf16 (tensor-core GEMMs): the logprobs backward kernel
       reads the fp32 chunk and writes the bf16 gradient in one pass (it casts on store).
     * ``coef_fn`` runs once per chunk on the host; it must not sync (``.item()``), and must be
-      elementwise in the rows it is given (token-level losses). Sequence-level losses (GSPO, GMPO)
-      use the primitive (4 GEMMs).
+      elementwise in the rows it is given (token-level losses), which are a ``slice`` or, with
+      padding compaction, an index tensor. Sequence-level losses (GSPO, GMPO) use the primitive
+      (4 GEMMs).
     * The fused loss hands its forward-computed gradients to the last backward (scaled in place);
       a backward that retains the graph (``retain_graph=True``) gets scaled copies instead, so a
       second backward accumulates the same gradients again. Telling the two apart needs torch >= 2.5
@@ -122,13 +129,22 @@ import torch
 from rlkernel._autocast import without_autocast
 from rlkernel._options import DweightAccum, LogitsDtype, current_options
 from rlkernel.ops import _autograd as autograd_state
-from rlkernel.ops._linear_engine import EngineSettings, _dweight_buffer, _Engine, _padded
+from rlkernel.ops._linear_engine import (
+    EngineSettings,
+    _active_rows,
+    _dweight_buffer,
+    _Engine,
+    _padded,
+    _scatter,
+)
 
 # Rows of dweight cast per slab at the end of the fp32 accumulation (bounds the cast's temporary).
 CAST_SLAB_BYTES = 64 << 20
 
+# coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy); ``rows`` is a ``slice`` of the flat
+# tokens, or (padding compaction) an int64 tensor of their flat positions (see fused_linear_token_loss).
 CoefFn = Callable[
-    [slice, torch.Tensor, "torch.Tensor | None"],
+    ["slice | torch.Tensor", torch.Tensor, "torch.Tensor | None"],
     "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]",
 ]
 
@@ -240,21 +256,6 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None
 
 
-def _active_rows(ids: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """The indices of the rows whose id is not ``ignore_index`` (int64, increasing), or None when
-    every row is active (nothing to compact). One host sync (the count sizes the row loop); none,
-    and no compaction, inside CUDA-graph capture (a sync cannot be captured)."""
-    if ids.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    idx = (ids != ignore_index).nonzero().squeeze(1)
-    return None if idx.numel() == ids.numel() else idx
-
-
-def _scatter(x: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n]`` zeros with ``x[i]`` at position ``idx[i]``."""
-    return torch.zeros(n, dtype=x.dtype, device=x.device).index_copy_(0, idx, x)
-
-
 def _settings(
     chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, grad_enabled=True, compact=True
 ):
@@ -357,17 +358,20 @@ class _FusedLinearLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, settings):
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings)
+        idx = _active_rows(ids, ignore_index) if settings.compact else None
+        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings, idx)
         dev = hidden.device
         # Gradients only where autograd will ask for them (none under torch.no_grad(): 1 GEMM).
         grad_on = settings.grad_enabled
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
+        # Per-row results in the engine's row order (the active rows only, when compacted).
         logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
         entropy = torch.empty(eng.n, dtype=torch.float32, device=dev) if with_entropy else None
         loss = torch.zeros((), dtype=torch.float32, device=dev)
-        dh = torch.empty_like(hidden) if need_h else None
+        # Compacted: the ignored rows are never projected, their dhidden rows stay exactly 0.
+        dh = (torch.zeros_like(hidden) if idx is not None else torch.empty_like(hidden)) if need_h else None
         dw = _dweight_buffer(weight, settings.dweight_accum) if need_w else None
         db = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
         c = eng.c
@@ -381,8 +385,9 @@ class _FusedLinearLossFunction(torch.autograd.Function):
                 logp[r] = lp[:cnt]
                 if en is not None:
                     entropy[r] = en[:cnt]
+                where = r if idx is None else idx[r]  # compacted: the rows' flat positions
                 with torch.enable_grad():
-                    part, g_logp, g_ent = coef_fn(r, lp[:cnt], None if en is None else en[:cnt])
+                    part, g_logp, g_ent = coef_fn(where, lp[:cnt], None if en is None else en[:cnt])
                 loss += part.detach()
                 if any_grad:
                     g_logp = _padded(None if g_logp is None else g_logp.detach(), c, 0, cnt)
@@ -395,6 +400,9 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         del eng
         ctx.grads = (dh, dw, db)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
+            logp = _scatter(logp, idx, ids.numel())
+            entropy = None if entropy is None else _scatter(entropy, idx, ids.numel())
         outs = [logp] + ([entropy] if entropy is not None else [])
         ctx.mark_non_differentiable(*outs)
         return (loss, *outs)
@@ -446,16 +454,21 @@ def fused_linear_token_loss(
     logits_dtype: LogitsDtype | None = None,
     dweight_accum: DweightAccum | None = None,
     invariant_logits: torch.dtype | None = None,
+    compact: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """A token-level loss from hidden states with its gradient computed in the forward pass.
 
-    For each chunk of rows (a ``slice`` into the flattened ``N = hidden.numel() // H`` tokens),
-    ``coef_fn(rows, logp, entropy)`` receives the chunk's fp32 log-probs ``[n]`` (and entropy
-    ``[n]`` when ``with_entropy``, else None) and returns ``(loss_part, g_logp, g_entropy)``: the
-    chunk's 0-dim fp32 contribution to the loss and ∂loss/∂logp, ∂loss/∂entropy ``[n]`` (fp32; None
-    for zero) for upstream gradient 1. Ignored positions (``token_ids == ignore_index``) have logp =
-    entropy = 0 and get no gradient whatever ``coef_fn`` returns for them. It is called once per
-    chunk, in order, under ``torch.enable_grad()`` (so it may use autograd on the detached inputs).
+    For each chunk of ``n`` rows of the flattened ``N = hidden.numel() // H`` tokens,
+    ``coef_fn(rows, logp, entropy)`` receives the chunk's rows, its fp32 log-probs ``[n]`` (and
+    entropy ``[n]`` when ``with_entropy``, else None) and returns ``(loss_part, g_logp,
+    g_entropy)``: the chunk's 0-dim fp32 contribution to the loss and ∂loss/∂logp, ∂loss/∂entropy
+    ``[n]`` (fp32; None for zero) for upstream gradient 1. ``rows`` is a ``slice`` (step 1) of the
+    flat tokens, or, with padding compaction, an int64 ``[n]`` tensor of the flat positions of the
+    chunk's rows (increasing; only rows whose id is not ``ignore_index``): index per-token tensors
+    with it (``t[rows]`` works for both). Ignored positions (``token_ids == ignore_index``) have
+    logp = entropy = 0 and get no gradient whatever ``coef_fn`` returns for them. It is called once
+    per chunk, in order, under ``torch.enable_grad()`` (so it may use autograd on the detached
+    inputs); a chunk-wise sum of its loss parts is the loss, so the parts of ignored rows must be 0.
 
     Returns:
         ``(loss, logp)`` or ``(loss, logp, entropy)``: ``loss`` 0-dim fp32, differentiable in
@@ -469,6 +482,10 @@ def fused_linear_token_loss(
         token_ids: ``[...]`` integer ids, ``ignore_index`` at positions outside the loss.
         chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits: as in
             :func:`linear_token_logprobs_triton`.
+        compact: padding compaction (module docstring): the rows with ``ignore_index`` ids are
+            neither staged, projected nor given gradient work, and ``coef_fn`` gets index tensors;
+            the loss and gradients change only by the order of their sums over rows. ``False``
+            (tests): every row is projected, ``coef_fn`` gets slices.
 
     Raises:
         TypeError: fp64 (or non-float) inputs, or weight/hidden dtypes that differ.
@@ -480,7 +497,7 @@ def fused_linear_token_loss(
             f"{hidden.dtype} and weight {weight.dtype} (fp64 has no kernel: use the reference path)"
         )
     settings = _settings(
-        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, torch.is_grad_enabled()
+        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, torch.is_grad_enabled(), compact
     )
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)

@@ -18,17 +18,19 @@ from collections.abc import Callable
 
 import torch
 
-ChunkLoss = Callable[[slice, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+ChunkLoss = Callable[["slice | torch.Tensor", torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def autograd_coef_fn(chunk_loss: ChunkLoss):
     """A ``coef_fn`` from ``chunk_loss(rows, logp, entropy) -> 0-dim`` (the chunk's share of the loss).
 
     ``logp`` and ``entropy`` (None unless the engine computes it) are fp32 ``[n]`` tensors of the
-    flat token positions ``rows``; the returned coefficients are their gradients, fp32 ``[n]``.
+    flat token positions ``rows`` (a ``slice``, or an int64 index tensor when the engine compacts
+    padding: ``chunk_loss`` indexes its per-token tensors with ``t[rows]``, which takes both); the
+    returned coefficients are their gradients, fp32 ``[n]``.
     """
 
-    def coef_fn(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None):
+    def coef_fn(rows: slice | torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None):
         lp = logp.detach().requires_grad_(True)
         ent = None if entropy is None else entropy.detach().requires_grad_(True)
         with torch.enable_grad():

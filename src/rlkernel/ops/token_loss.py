@@ -94,13 +94,18 @@ def token_loss(
 def as_coef_fn(plan: TokenLossPlan):
     """``coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy)`` for a chunked engine
     (e.g. ``rlkernel.ops._linear_function.fused_linear_token_loss``), one :func:`token_loss` launch
-    per chunk ``rows`` (a ``slice`` of the flat tokens, step 1). Run the engine with
+    per chunk ``rows``: a ``slice`` of the flat tokens (step 1; the plan's row range, no copy), or
+    an int64 tensor of their flat positions (a padding-compacted chunk: the plan's constants are
+    gathered for those tokens, :meth:`TokenLossPlan.take`). Run the engine with
     ``token_ids=plan.ids`` (``IGNORE_INDEX`` at masked positions) and
     ``with_entropy=plan.want_entropy``; the engine adds the chunks' ``loss_part`` in order."""
 
-    def coef_fn(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None):
-        start, stop, _ = rows.indices(plan.n_tokens)
-        terms = token_loss(plan, logp, entropy, start=start, stop=stop)
+    def coef_fn(rows: slice | torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None):
+        if isinstance(rows, slice):
+            start, stop, _ = rows.indices(plan.n_tokens)
+            terms = token_loss(plan, logp, entropy, start=start, stop=stop)
+        else:
+            terms = token_loss(plan.take(rows), logp, entropy)
         return terms.loss, terms.g_logp, terms.g_entropy
 
     return coef_fn
