@@ -29,6 +29,7 @@ after. The head's math, tiles and kernels are TRL's own.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import sys
 import types
@@ -110,11 +111,23 @@ def trl_head(device: torch.device) -> tuple[Any, str]:
     return fn, ""
 
 
+def real_trl_gather_importable() -> bool:
+    """Whether TRL's own ``trl.trainer.utils`` imports here (it needs ``datasets``)."""
+    try:
+        importlib.import_module(TRL_GATHER_MODULE)
+    except ImportError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def _trl_gather_stand_in() -> Iterator[None]:
     """``trl.trainer.utils`` with ``maybe_gather_lm_head_ctx`` as a ``nullcontext`` (what TRL's
     helper returns without DeepSpeed ZeRO-3) in ``sys.modules`` inside the block, unless the real
-    module is already imported; removed after (see the module docstring)."""
+    module imports (TRL's trainer stack, ``datasets`` included, is installed); removed after (see
+    the module docstring)."""
+    if TRL_GATHER_MODULE not in sys.modules and real_trl_gather_importable():
+        importlib.import_module(TRL_GATHER_MODULE)
     if TRL_GATHER_MODULE in sys.modules:
         yield
         return
@@ -160,7 +173,7 @@ def trl_call(fn: Any, kind: Kind, spec: LossSpec | None, inputs: list[dict]) -> 
 
 def trl_note(kind: Kind) -> str:
     stand_in = f"; {TRL_GATHER_MODULE} stood in (no ZeRO-3 gather)"
-    stand_in = "" if TRL_GATHER_MODULE in sys.modules else stand_in
+    stand_in = "" if real_trl_gather_importable() else stand_in
     loss = ", then the plain RL algebra" if kind.loss else ""
     return (
         f"{TRL_CLASS}.apply(hidden[mask], W, None, ids[mask], T, chunk_size={TRL_CHUNK_SIZE}, "
