@@ -484,8 +484,22 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers.utils import logging as transformers_logging
 
     options = parse(argv)
-    cuda = options.device == "cuda"
+    bars = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()  # loading / saving bars would bury the progress lines
+    try:
+        report = run(options)
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+    if options.out:
+        Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(options.out).write_text(json.dumps(report, indent=1) + "\n")
+        log(f"wrote {options.out}")
+    return report
+
+
+def run(options: argparse.Namespace) -> dict:
+    cuda = options.device == "cuda"
     report = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=torch.cuda.get_device_name() if cuda else "cpu", versions=versions(),
@@ -504,12 +518,7 @@ def main(argv: list[str] | None = None) -> dict:
                 case = Case(options, path, tmp, precision, setting, tok.eos_token_id, bias)
                 report["results"].append(compare(case))
     log("\n" + table(report["results"], cuda))
-    if options.out:
-        Path(options.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(options.out).write_text(json.dumps(report, indent=1) + "\n")
-        log(f"wrote {options.out}")
     return report
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])
