@@ -14,6 +14,11 @@
 #   bench_logits    rlkernel bench logits (~3-4 min on an H100: give it STEP_TIMEOUT=420)
 #   bench_linear    rlkernel bench linear (~6-8 min on an H100: give it STEP_TIMEOUT=560)
 #   bench_invariant rlkernel bench invariant
+#   trl_trainer     scripts/trl_trainer_compare.py: RLKernelGRPOTrainer vs trl.GRPOTrainer, a few GRPO
+#                   steps of a random-init 407 M Qwen3 (bf16, Triton backend), 3 settings; JSON in
+#                   results/. Needs the wheels of trl, datasets, dill, multiprocess in .whl/ (~5 min
+#                   on an H100: give it STEP_TIMEOUT=540). TRL_COMPARE_ARGS reaches it, e.g.
+#                   "--precisions amp" (float32 weights under bf16 autocast) or "--settings defaults".
 # BENCH_ARGS reaches the bench steps, e.g. the opt-in variants: BENCH_ARGS="--impl rlkernel,rlkernel_composed".
 # Outputs: $OUT/gpu_run.tgz (logs/<step>.log and results/*), and a summary table at the end.
 set -uo pipefail
@@ -37,6 +42,7 @@ STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
   python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>/dev/null || true
   # The bench imports only trl.kernels (torch, triton, transformers, packaging): none of TRL's trainer deps.
   python3 -c "import trl.kernels as k, importlib.metadata as m; print('trl', m.version('trl'), 'trl.kernels:', ', '.join(k.__all__))" 2>&1 | tail -n 1 || true
+  python3 -c "import datasets, pyarrow; print('datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)" 2>&1 | tail -n 1 || true
   echo "commit ${RLKERNEL_GIT_COMMIT:-unknown}"
 } | tee "$WORK/logs/env.log"
 
@@ -46,6 +52,8 @@ step_cmd() {
     gpu_suite) echo "env -u STEPS OUT=$RESULTS_DIR bash scripts/gpu_suite.sh" ;;  # its own STEPS
     consistency) echo "bash scripts/gpu_consistency.sh" ;;
     bench_*) echo "python3 -m rlkernel.bench ${1#bench_} --out $RESULTS_DIR ${BENCH_ARGS:-}" ;;
+    # Offline: every model, tokenizer and dataset is made in-process (no hub look-ups to time out).
+    trl_trainer) echo "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python3 scripts/trl_trainer_compare.py --out $RESULTS_DIR/trl_trainer_compare.json ${TRL_COMPARE_ARGS:-}" ;;
     *) echo "false unknown-step-$1" ;;
   esac
 }
