@@ -69,7 +69,6 @@ def train(trainer_cls, model_path: str, tokenizer, steps: int, output_dir: str):
     args = GRPOConfig(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=10, learning_rate=0.005, optim="sgd", loss_type="dapo", beta=0.02,
-        use_bias_correction_kl=False,  # TRL's default (True) weighs the KL by the ratio: not in rlkernel yet
         bf16=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0,
         disable_tqdm=True,
     )  # fmt: skip
