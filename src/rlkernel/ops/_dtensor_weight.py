@@ -98,8 +98,8 @@ def local_lm_head(
         raise ValueError(
             f"{' and '.join(given)} {'is a DTensor' if len(given) == 1 else 'are DTensors'}, which is "
             "not supported with tp_group: the vocab-parallel path takes plain tensors, weight (and "
-            "bias) being this rank's contiguous vocabulary shard; without tp_group a DTensor weight "
-            "is gathered to the full [V, H] head"
+            "bias) being this rank's contiguous vocabulary shard (a ColwiseParallel head: pass "
+            "weight.to_local()); without tp_group a DTensor weight is gathered to the full [V, H] head"
         )
     if is_dtensor(hidden):
         hidden = _replicated_local(hidden)
