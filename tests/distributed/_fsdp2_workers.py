@@ -361,6 +361,28 @@ def check_fsdp2_tied_embeddings_root_resharded(ctx):
     _compare_grads(lm, want, "tied")
 
 
+def check_fsdp2_hsdp_2d_mesh(ctx):
+    """HSDP: ``fully_shard`` on a 2-D (replicate, shard) mesh, parameters placed
+    ``(Replicate(), Shard(0))``; both layouts of 2 ranks, (2, 1) and (1, 2). The gathered head's
+    gradient is averaged over both mesh dimensions, as FSDP2's HSDP reduction."""
+    for shape in ((2, 1), (1, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(9)
+        lm = TinyLM(bias=True)
+        unsharded = copy.deepcopy(lm)
+        fully_shard(lm.lm_head, mesh=mesh)
+        fully_shard(lm, mesh=mesh)
+        batch = _policy_batch(ctx.rank, 9)
+        hidden, _ = lm(batch["token_ids"].clamp_min(0))
+        weight = lm.lm_head.weight
+        assert tuple(weight.placements) == (Replicate(), Shard(0)), weight.placements
+        loss = _loss_call("dapo", batch)(hidden, lm.lm_head)
+        loss.backward()
+        want, loss_r = _reference_grads(ctx, unsharded, "dapo", 9)
+        _close(loss, loss_r, f"mesh {shape}: loss")
+        _compare_grads(lm, want, f"mesh {shape}")
+
+
 def _fsdp2_inside_forward(ctx, preset, seed, lm_head_unit):
     """The loss inside the root's forward (``LossInForward``). With lm_head in the root group its
     weight is FSDP2's unsharded plain tensor there (FSDP2 reduces its gradient); as its own unit

@@ -8,7 +8,8 @@ with the unsharded single-process computation: DTensor ``Shard(0)``/``Replicate(
 biases, a replicated DTensor ``hidden``, a frozen weight, fp32 shards with bf16 hidden states (FSDP2's
 mixed precision), and real ``fully_shard`` models: the loss outside the forward, inside it (the
 LM head in the root group: FSDP2's own unsharded tensor; as its own unit: a DTensor), through the
-Triton chunk engine (interpreter), ``invariant=True`` (bitwise), and mixed precision (outside ==
+Triton chunk engine (interpreter), a head tied to the embedding, HSDP's 2-D mesh
+(``(Replicate(), Shard(0))``), ``invariant=True`` (bitwise), and mixed precision (outside ==
 inside). The single-process tests at the bottom cover every raise, on a one-rank gloo mesh.
 
 Plumbing as ``test_vocab_parallel.py``: workers from a ``forkserver`` that imported torch and
