@@ -48,8 +48,11 @@ pytestmark = pytest.mark.skipif(
 def _start_method() -> str:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    # Workers fork from a server that imported these once; harmless if the server already runs.
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "rlkernel", "rlkernel.distributed"])
+    # Workers fork from a server that imported these once; harmless if the server already runs
+    # (started by test_vocab_parallel.py with its own list: the workers then import FSDP2 each).
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch.distributed", "rlkernel", "rlkernel.distributed", "torch.distributed.fsdp"]
+    )
     return "forkserver"
 
 
