@@ -237,3 +237,34 @@ def test_plain_tensors_pass_through_without_importing_dtensor():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fp32_shards_with_bf16_hidden_are_cast_before_the_checks(mesh, invariant):
+    """FSDP2's mixed precision on a one-rank mesh: fp32 DTensor weight and bias with bf16 hidden
+    states give bitwise the plain call on the bf16-cast weight and bias, through both APIs, also
+    with ``invariant=True`` (whose bias-dtype check must see the cast bias); the gradients come
+    back in fp32."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    h, w, ids = _inputs()
+    h, b = h.bfloat16(), torch.randn(V)
+    dw = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    db = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+    wr, br = w.bfloat16().requires_grad_(), b.bfloat16().requires_grad_()
+    got = rk.linear_token_logprobs(h, dw, ids, bias=db, invariant=invariant)
+    want = rk.linear_token_logprobs(h, wr, ids, bias=br, invariant=invariant)
+    assert torch.equal(got, want)
+    cfg = rk.PolicyLossConfig.preset("dapo")
+    batch = dict(token_ids=ids.view(2, 2), old_logp=-torch.rand(2, 2), advantages=torch.randn(2),
+                 mask=torch.ones(2, 2, dtype=torch.bool), invariant=invariant)  # fmt: skip
+    loss = rk.fused_policy_loss(cfg, hidden=h.view(2, 2, H), weight=dw, bias=db, **batch).loss
+    loss_r = rk.fused_policy_loss(cfg, hidden=h.view(2, 2, H), weight=wr, bias=br, **batch).loss
+    assert torch.equal(loss, loss_r)
+    (got.sum() + loss).backward()
+    # The plain bf16 gradients of the two calls, each cast to fp32 and added in fp32: what the fp32
+    # shards accumulate (not bf16's rounded sum).
+    per_call = [torch.autograd.grad(y, [wr, br], retain_graph=True) for y in (want.sum(), loss_r)]
+    assert dw.grad.dtype == db.grad.dtype == torch.float32
+    assert torch.equal(dw.grad.to_local(), per_call[0][0].float() + per_call[1][0].float())
+    assert torch.equal(db.grad.to_local(), per_call[0][1].float() + per_call[1][1].float())

@@ -206,12 +206,14 @@ def fused_policy_loss(
     check.boolean("validate", validate)
     check.boolean("inplace_backward", inplace_backward)
     _check_source(logits, hidden, weight, bias, tp_group)
-    if hidden is not None:  # FSDP2: a DTensor LM head is gathered (rlkernel.ops._dtensor_weight)
-        hidden, weight, bias = _dtensor_weight.local_lm_head(hidden, weight, bias, tp_group=tp_group)
     if inplace_backward and logits is None:
         raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
     if logits is not None and (invariant is not False or logits_dtype is not None):
         raise ValueError("invariant and logits_dtype apply to the hidden path only (the logits are given)")
+    if hidden is not None:
+        # FSDP2: a DTensor LM head is gathered (rlkernel.ops._dtensor_weight) after the cheap checks,
+        # before the dtype checks (fp32 shards with half hidden states are cast to hidden's dtype).
+        hidden, weight, bias = _dtensor_weight.local_lm_head(hidden, weight, bias, tp_group=tp_group)
     inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
     token_ids = check.int_tensor("token_ids", token_ids)
     batch = validate_batch(
