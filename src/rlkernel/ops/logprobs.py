@@ -12,7 +12,7 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
-from rlkernel.ops import id_checks
+from rlkernel.ops import _dtensor_weight, id_checks
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.reference import logprobs as ref
 
@@ -158,11 +158,15 @@ def linear_token_logprobs(
     reproduced exactly, without materializing the logits.
 
     Args:
-        hidden: ``[..., H]`` float, the policy's last hidden states.
+        hidden: ``[..., H]`` float, the policy's last hidden states (a DTensor: ``Replicate()``
+            only, its local tensor is used).
         weight: ``[V, H]`` LM-head weight, same dtype and device as ``hidden``. Gradients for it are
-            computed only when ``weight.requires_grad``.
+            computed only when ``weight.requires_grad``. A ``DTensor`` (FSDP2's ``fully_shard``:
+            ``Shard(0)``; or ``Replicate()``) is gathered to the full weight, its gradient averaged
+            over the mesh into the sharded ``weight.grad``; float32 shards with float16/bfloat16
+            ``hidden`` are gathered in ``hidden``'s dtype (see :mod:`rlkernel.ops._dtensor_weight`).
         token_ids: ``[...]`` integer ids, the leading shape of ``hidden``.
-        bias: optional ``[V]`` LM-head bias.
+        bias: optional ``[V]`` LM-head bias (a DTensor as ``weight``).
         temperature, ignore_index, return_entropy, validate: as in :func:`token_logprobs`.
         tp_group: vocab-parallel process group: ``weight`` (and ``bias``) are this rank's contiguous
             vocabulary shard, shards in rank order, uneven sizes allowed; ``hidden`` and
@@ -183,8 +187,12 @@ def linear_token_logprobs(
         TypeError: as :func:`token_logprobs`; ``weight`` (or, with ``invariant``, ``bias``) of
             another dtype than ``hidden``; ``invariant`` not a bool.
         ValueError: as :func:`token_logprobs`; ``weight``/``bias`` shapes; ``invariant`` with
-            ``tp_group``; ``logits_dtype`` without ``invariant`` or not one of the above.
+            ``tp_group``; ``logits_dtype`` without ``invariant`` or not one of the above; a
+            DTensor with ``tp_group``, a DTensor ``weight``/``bias`` placement other than
+            ``Shard(0)``/``Replicate()``, a DTensor ``hidden`` not replicated.
     """
+    # FSDP2: a DTensor weight (outside the module's forward) is gathered to the full [V, H] head.
+    hidden, weight, bias = _dtensor_weight.local_lm_head(hidden, weight, bias, tp_group=tp_group)
     inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
     if tp_group is not None:
         # Vocab-parallel: every local check, the shard layout and the id range (of the *global*

@@ -45,7 +45,8 @@ Caveats:
     * The caller aligns logits with ids (``logits[:, :-1]`` predicts ``ids[:, 1:]``); strided views
       are fine.
     * ``tp_group`` (vocab-parallel LM head) is forwarded to ``linear_token_logprobs`` and works only
-      on the hidden-state path.
+      on the hidden-state path. A DTensor LM head (FSDP2) is gathered first
+      (``rlkernel.ops._dtensor_weight``), not with ``tp_group``.
     * Inside ``torch.compile`` a token-level objective's logits path is one registered custom op
       (``rlkernel::token_loss_from_logits``, 3 passes); the coefficient path, the
       gradient-in-forward route and the hidden-state chunk engine are eager-only (the composed path
@@ -66,7 +67,7 @@ from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import Options, current_options
-from rlkernel.ops import id_checks
+from rlkernel.ops import _dtensor_weight, id_checks
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
     invariant_logits_dtype,
@@ -173,7 +174,8 @@ def fused_policy_loss(
             detached: no second log-prob pass.
         logits: ``[B, T, V]`` (or ``[N, V]``) float logits. Exactly one of ``logits`` and ``hidden``.
         hidden: ``[B, T, H]`` (or ``[N, H]``) last hidden states, with ``weight`` ``[V, H]`` and an
-            optional ``bias`` ``[V]``.
+            optional ``bias`` ``[V]``. A DTensor ``weight``/``bias`` (FSDP2) is gathered as in
+            :func:`rlkernel.linear_token_logprobs`.
         temperature: the sampling temperature (> 0) applied to the logits.
         tp_group: vocab-parallel process group (hidden path only; see ``linear_token_logprobs``).
         validate: check that active ids are in ``[0, V)``; ``False`` skips it. No host sync on the
@@ -197,7 +199,8 @@ def fused_policy_loss(
             or ``inplace_backward`` not a bool.
         ValueError: both or neither of ``logits``/``hidden``, ``weight`` missing with ``hidden``,
             ``weight``/``bias``/``tp_group`` with ``logits``, shape/device mismatches, active ids
-            out of range, and everything ``policy_loss`` rejects.
+            out of range, the DTensor cases ``linear_token_logprobs`` rejects, and everything
+            ``policy_loss`` rejects.
     """
     # Every input is checked once, here; the paths below check nothing again.
     if not isinstance(cfg, PolicyLossConfig):
@@ -209,6 +212,10 @@ def fused_policy_loss(
         raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
     if logits is not None and (invariant is not False or logits_dtype is not None):
         raise ValueError("invariant and logits_dtype apply to the hidden path only (the logits are given)")
+    if hidden is not None:
+        # FSDP2: a DTensor LM head is gathered (rlkernel.ops._dtensor_weight) after the cheap checks,
+        # before the dtype checks (fp32 shards with half hidden states are cast to hidden's dtype).
+        hidden, weight, bias = _dtensor_weight.local_lm_head(hidden, weight, bias, tp_group=tp_group)
     inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
     token_ids = check.int_tensor("token_ids", token_ids)
     batch = validate_batch(

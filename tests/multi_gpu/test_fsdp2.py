@@ -1,0 +1,84 @@
+"""An FSDP2 (``fully_shard``) LM head on NCCL, 2 GPUs, against one GPU (``_fsdp2_worker.py`` under
+torchrun; issue 15's FSDP2 part).
+
+One module-scoped run starts ``torch.distributed.run --standalone --nproc_per_node=2`` on
+``_fsdp2_worker.py``, which runs every check on both ranks (see its docstring: a model with a
+V = 151,936 LM head wrapped with ``fully_shard``, the loss computed outside the forward from the
+hidden states and ``model.lm_head.weight`` — a ``Shard(0)`` DTensor that rlkernel gathers — in fp32
+and in bf16 mixed precision, against the unsharded model on one GPU; ``invariant=True`` bitwise; a
+DTensor with ``tp_group`` raising on every rank; the cost of the gather in ``fsdp2_timings.json``).
+Each test below reports one check on every rank, with the rank's traceback on failure.
+
+Never hangs: the collectives time out, a failing rank exits and torchrun stops its peer, and the
+whole run is killed (its process group) after ``DEADLINE_S``. Skips on a machine with 1 CUDA
+device. On a CPU-only machine it runs the same checks with gloo at tiny sizes (``cpu_smoke``; the
+CPU suite's own FSDP2 tests are ``tests/distributed/test_fsdp2_lm_head.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import _fsdp2_worker
+
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.cpu_smoke]
+
+WORLD = 2
+DEADLINE_S = 240  # below scripts/gpu_suite.sh's step limit (300 s): the run is killed here, not orphaned
+SMOKE = not torch.cuda.is_available()  # gloo on the CPU, tiny sizes
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory):
+    """``({rank: {check: "ok" | traceback}}, problem)`` after one torchrun of every check."""
+    if not SMOKE and torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA devices (a CPU-only machine runs the checks tiny on gloo)")
+    out = tmp_path_factory.mktemp("fsdp2")
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")])))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+        str(Path(_fsdp2_worker.__file__)), "--out", str(out), *(["--smoke"] if SMOKE else []),
+    ]  # fmt: skip
+    # A session of its own: on the deadline the whole group (torchrun and its workers) is killed.
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    problem = None
+    try:
+        log, _ = proc.communicate(timeout=DEADLINE_S)
+        if proc.returncode != 0:
+            problem = f"torchrun exited with {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        problem = f"the run did not finish within {DEADLINE_S} s (killed)"
+    results = {}
+    for rank in range(WORLD):
+        path = out / f"rank{rank}.json"
+        results[rank] = json.loads(path.read_text()) if path.exists() else {}
+    tail = log.decode(errors="replace")[-4000:]
+    return results, (f"{problem}; output tail:\n{tail}" if problem else None)
+
+
+@pytest.mark.parametrize("check", _fsdp2_worker.CHECK_NAMES)
+def test_check(outcome, check):
+    results, problem = outcome
+    failures = []
+    for rank in range(WORLD):
+        status = results[rank].get(check)
+        if status is None:
+            failed = [f"{c} (rank {r})" for r in range(WORLD) for c, s in results[r].items() if s != "ok"]
+            failures.append(f"rank {rank}: not run (earlier failure: {failed or problem})")
+        elif status != "ok":
+            failures.append(f"rank {rank}:\n{status}")
+    if failures:
+        pytest.fail(f"{check} on {WORLD} ranks:\n" + "\n".join(failures), pytrace=False)
