@@ -157,8 +157,9 @@ def launches() -> list[tuple[str, object]]:
 
 def _fused_loss_launches(rnd) -> list[tuple[str, object]]:
     """The fused token-level loss kernels (block kernel for V > 65,536, gradient-in-forward row
-    kernel below, backward, scale; the sequence-ratio kernel) through ``fused_policy_loss`` forward + backward, for configs
-    that cover their constexpr branches (loss types, KL, entropy, rollout correction)."""
+    kernel below, backward, scale; the sequence-ratio kernel) through ``fused_policy_loss``
+    forward + backward, for configs that cover their constexpr branches (loss types, KL, entropy,
+    rollout correction)."""
     import torch
 
     import rlkernel as rk

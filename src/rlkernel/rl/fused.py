@@ -30,9 +30,9 @@ coefficients. For gspo, gspo_token and gmpo (``rl.seq_token_loss.is_eligible``) 
 their closed form in ONE Triton launch (``rl.seq_token_loss``, one program per sequence); for the
 rest (vespo, dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks, gmpo with rollout
 weights) from the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the
-forward (``rl.fused._fused_autograd_coefficients``, ~100 small launches). The hidden-state path of these objectives, fp64 logits, the
-reference backend and ``torch.compile`` tracing of them keep the composed path. All give the same loss,
-gradients (to fp32 rounding) and metrics.
+forward (``rl.fused._fused_autograd_coefficients``, ~100 small launches). The hidden-state path of
+these objectives, fp64 logits, the reference backend and ``torch.compile`` tracing of them keep the
+composed path. All give the same loss, gradients (to fp32 rounding) and metrics.
 
 Masked positions are sent to the primitive as ``ignore_index`` (their ids may be garbage such as -1 or
 a pad id out of the vocabulary), so they cost no softmax gradient and need no valid id. Entropy is
