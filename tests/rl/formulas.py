@@ -69,12 +69,18 @@ def k3(lp, ref):
     return clamp(torch.exp(x) - 1.0 - x, -10.0, 10.0)
 
 
+def k3_unclamped(lp, ref):
+    x = ref - lp
+    return torch.exp(x) - 1.0 - x
+
+
 def kl_one(lp, ref, estimator):
     """One token's KL estimate; "+" = value of the base estimator with the gradient of k2."""
     ref = ref.detach()
     names = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
     estimator = names.get(estimator, estimator)
-    base = {"k1": k1, "k2": k2, "k3": k3, "abs": lambda a, b: torch.abs(a - b)}[estimator.rstrip("+")]
+    bases = {"k1": k1, "k2": k2, "k3": k3, "k3_unclamped": k3_unclamped, "abs": lambda a, b: torch.abs(a - b)}
+    base = bases[estimator.rstrip("+")]
     if estimator.endswith("+"):
         g = k2(lp, ref)
         return g - g.detach() + base(lp, ref).detach()

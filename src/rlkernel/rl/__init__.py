@@ -1,7 +1,7 @@
 """The RL objective algebra on ``[B, T]`` (or packed) tensors.
 
 advantages   group_advantages: grpo | dr_grpo | rloo | reinforce_pp_baseline
-kl           kl_penalty: k1 | k2 | k3 | abs | k1+ | k3+ (and verl's aliases)
+kl           kl_penalty: k1 | k2 | k3 | abs | k1+ | k3+ | k3_unclamped (and verl's aliases)
 config       PolicyLossConfig and its presets
 aggregate    sequence segmentation (padded / packed) and the five aggregation modes (token-sum included)
 objectives   per-token terms of every loss type (ppo … reinforce, vespo, dppo_tv/kl, clip_cov, kl_cov, dro)
