@@ -239,6 +239,10 @@ class PolicyLossConfig:
             (1 − ρ)-quantile of the active tokens' entropies keep their policy term (requires
             ``entropy``); 1.0 (the default) is off. (Formulas of the last five fields:
             :mod:`rlkernel.rl.rollout` and :mod:`rlkernel.rl.masks`.)
+        rollout_batch_normalize: divide the correction's weights by their mean over this call
+            (verl's ``rollout_is_batch_normalize``): over the active tokens for ``token_*``, over
+            the sequences with an active token for ``seq_*``; no division when that mean is
+            ≤ 1e-8 (verl's guard). Requires ``rollout_correction``.
 
     More loss types, the sequence-ratio convention and the ratio-weighted KL (issue 14; the
     formulas are in :mod:`rlkernel.rl.objectives`):
@@ -318,6 +322,8 @@ class PolicyLossConfig:
     rollout_rs_max: float | None = None
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
+    # --- verl's rollout_is_batch_normalize: the correction's weights divided by their batch mean.
+    rollout_batch_normalize: bool = False
 
     def __post_init__(self) -> None:
         check.choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -334,6 +340,12 @@ class PolicyLossConfig:
         self._check_fp32()
         self._check_more_losses()
         self._check_masks()
+        check.boolean("rollout_batch_normalize", self.rollout_batch_normalize)
+        if self.rollout_batch_normalize and self.rollout_correction is None:
+            raise ValueError(
+                "rollout_batch_normalize=True needs rollout_correction (it normalizes the correction's "
+                "weights; precomputed rollout_weights are the caller's to normalize)"
+            )
 
     def _check_fp32(self) -> None:
         """Every number must survive the float32 math (and the kernels' float32 scalars) as it is:
