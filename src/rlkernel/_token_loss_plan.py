@@ -45,11 +45,11 @@ from rlkernel import _validate as check
 IGNORE_INDEX = -100
 
 LossType = Literal["ppo", "cispo", "sapo", "reinforce"]
-KlEstimator = Literal["k1", "k2", "k3", "abs"]
+KlEstimator = Literal["k1", "k2", "k3", "abs", "k3_unclamped"]
 
 # Branch codes of the kernels' ``BRANCH.LOSS`` / ``BRANCH.KL`` (each a constexpr branch of one kernel).
 LOSS_CODES: dict[str, int] = {"ppo": 0, "cispo": 1, "sapo": 2, "reinforce": 3}
-KL_CODES: dict[str | None, int] = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4}
+KL_CODES: dict[str | None, int] = {None: 0, "k1": 1, "k2": 2, "k3": 3, "abs": 4, "k3_unclamped": 5}
 
 
 class TokenLossKernelScalars(NamedTuple):
@@ -111,8 +111,8 @@ class TokenLossScalars:
         delta: ppo's cap on the unclipped ratio (inf: none).
         dual_clip: ppo's dual-clip constant c > 1, or None.
         tau_pos, tau_neg: sapo's temperatures for A > 0 and A ≤ 0.
-        kl: the KL estimator K against ``ref`` (``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``), or None
-            for no KL term.
+        kl: the KL estimator K against ``ref`` (``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``,
+            ``"k3_unclamped"``), or None for no KL term.
         kl_straight: the ``"+"`` form of ``kl``: K's value with k2's gradient ``logp − ref``.
         kl_coef: the KL term's coefficient.
         entropy_coef: the entropy bonus's coefficient (0: the loss reads no entropy).

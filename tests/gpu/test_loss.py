@@ -33,6 +33,7 @@ GRAD_RTOL = 2**-7
 METRIC_ATOL = 1e-4
 CONFIGS = {  # label: (preset, overrides, has a token-level plan; else the fused coefficient path)
     "dapo+kl": ("dapo", dict(kl_coef=1e-3, kl_estimator="k3"), True),
+    "cispo+kl(k3_unclamped)": ("cispo", dict(kl_coef=1e-3, kl_estimator="k3_unclamped"), True),
     "ppo": ("ppo", {}, True),
     "cispo": ("cispo", {}, True),
     "sapo": ("sapo", {}, True),

@@ -68,7 +68,7 @@ MAPPINGS = [
     ),
     (
         dict(beta=0.04, use_bias_correction_kl=False),
-        dict(loss_type="ppo", aggregation="token-mean", kl_coef=0.04, kl_estimator="k3"),
+        dict(loss_type="ppo", aggregation="token-mean", kl_coef=0.04, kl_estimator="k3_unclamped"),
         "step_tokens",
     ),
     # The vLLM importance-sampling correction, on only with use_vllm.
@@ -126,7 +126,8 @@ MAPPINGS = [
     (
         dict(beta=0.04),
         dict(
-            loss_type="ppo", aggregation="token-mean", kl_coef=0.04, kl_estimator="k3", kl_ratio_weighted=True
+            loss_type="ppo", aggregation="token-mean", kl_coef=0.04, kl_estimator="k3_unclamped",
+            kl_ratio_weighted=True,
         ),
         "step_tokens",
     ),

@@ -30,7 +30,7 @@ from .trl_helpers import (
 )
 
 TOL = 1e-6
-# Per-token KL against a reference 0.5 nats away keeps TRL's unclamped k3 inside rlkernel's clamps.
+# Per-token KL against a reference 0.5 nats away (test_kl_far_from_the_reference_matches_trl: 25).
 KL = dict(beta=0.05, use_bias_correction_kl=False)
 
 SETTINGS = {
@@ -322,6 +322,40 @@ def test_triton_fused_path_matches_trl(
     assert (loss - ref_loss).abs().item() <= TOL
     for name, grad in ref_grads.items():
         assert (grads[name] - grad).abs().max().item() <= 2 * TOL * max(1.0, grad.abs().max().item()), name
+
+
+@pytest.mark.parametrize("setting", ["grpo + KL", "grpo + bias-corrected KL (TRL default)"])
+def test_kl_far_from_the_reference_matches_trl(model_dir, tmp_path, setting):
+    """TRL's k3 has no clamps: with the reference 2.8–4 nats above the policy on most tokens
+    (k3 = e^{ref−logp} − (ref − logp) − 1 up to ~50, beyond rlkernel's clamp of k3 at 10) and 25 below
+    on the others (beyond the clamp of the exponent at ±20), the mapped ``k3_unclamped`` still gives
+    TRL's loss and gradients; the clamped ``k3`` would not."""
+    import dataclasses
+
+    from trl import GRPOTrainer
+
+    trainer = build(model_dir, tmp_path, **dict(SETTINGS[setting], beta=0.01))
+    assert trainer.rlkernel_plan.config.kl_estimator == "k3_unclamped"
+    batch = make_batch(trainer, seed=12)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logp = trainer._get_per_token_logps_and_entropies(trainer.model, ids, attention, 7)[0].float()
+    drift = 2.8 + 1.2 * torch.rand(logp.shape, generator=g)
+    drift[:, ::3] = -25.0
+    batch["ref_per_token_logps"] = logp + drift.to(logp.device)
+    ours, ref = compare(trainer, batch, metrics=False)
+    # The mean KL is ~25 here: float32 rounding of it is ~2e-6, so relative (the others as usual).
+    assert ours["kl"] == pytest.approx(ref["kl"], rel=1e-6) and ref["kl"] > 10
+    for key in (ours.keys() & ref.keys()) - {"kl"}:
+        assert abs(ours[key] - ref[key]) <= TOL, (key, ours[key], ref[key])
+    # Not vacuous: rlkernel's clamped k3 gives another loss on this batch.
+    clamped = dataclasses.replace(trainer.rlkernel_plan.config, kl_estimator="k3")
+    trainer.rlkernel_plan = dataclasses.replace(trainer.rlkernel_plan, config=clamped)
+    ref_loss, _ = loss_and_grads(GRPOTrainer._compute_loss, trainer, batch)
+    loss, _ = loss_and_grads(type(trainer)._compute_loss, trainer, batch)
+    assert (loss - ref_loss).abs().item() > 1e-2
 
 
 @pytest.mark.parametrize("setting", ["dapo (TRL default)", "GSPO + KL", "grpo + entropy bonus + KL"])

@@ -239,7 +239,8 @@ def test_masked_garbage_is_ignored(verl):
 
 def test_registry_holds_every_mode_with_verls_signature(verl):
     integration, core_algos = verl.integration, verl.core_algos
-    assert tuple(integration.RK_LOSSES) == tuple(f"rk_{m}" for m in MODES)
+    # (rk_bypass_mode: tests/integrations/test_verl_bypass.py)
+    assert tuple(integration.RK_LOSSES) == (*(f"rk_{m}" for m in MODES), "rk_bypass_mode")
     for mode in MODES:
         ours = core_algos.get_policy_loss_fn(f"rk_{mode}")
         assert ours is integration.RK_LOSSES[f"rk_{mode}"]

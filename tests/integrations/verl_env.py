@@ -4,12 +4,15 @@
 packages its loss path imports (omegaconf, codetiming): its declared dependencies include ray,
 vLLM-era pins of transformers, tensordict, wandb and more. Importing ``verl`` runs its package
 ``__init__``, which imports ``verl.protocol`` — ``ray``, ``tensordict`` — and, through
-``verl.utils.tracking``, ``orjson``; the policy losses and the fused forward call none of them. They
-are stubbed in ``sys.modules`` for the duration of the import only, each only where it is not
-installed, with exactly the names the import reads (``ray.ObjectRef``, ``tensordict.TensorDict``,
-``tensordict.tensorclass.NonTensorData`` / ``NonTensorStack``). Afterwards no stub is left in
-``sys.modules`` (``importlib.util.find_spec("ray")`` must keep saying "not installed" to other
-libraries); verl's modules stay imported — the losses live in verl's registry, in those modules.
+``verl.utils.tracking``, ``orjson``; the policy losses and the fused forward call none of them, but
+for one ``TensorDict``, below. They are stubbed in ``sys.modules`` for the duration of the import
+only, each only where it is not installed, with exactly the names the import reads
+(``ray.ObjectRef``, ``tensordict.TensorDict``, ``tensordict.tensorclass.NonTensorData`` /
+``NonTensorStack``). ``TensorDict``'s stub is a dict with a ``batch_size``: verl's ``bypass_mode``
+loss wraps its IS weights in a ``DataProto`` (one ``TensorDict``) and reads them back, at call time,
+through the class ``verl.protocol`` imported. Afterwards no stub is left in ``sys.modules``
+(``importlib.util.find_spec("ray")`` must keep saying "not installed" to other libraries); verl's
+modules stay imported — the losses live in verl's registry, in those modules.
 
 The verl tests skip when verl 0.9.1 is not installed, except under ``CI``, where they fail: CI must
 never pass without comparing against the real code.
@@ -43,6 +46,16 @@ def unavailable_reason() -> str | None:
     return None
 
 
+class _TensorDict(dict):
+    """The one use of ``TensorDict`` on the loss path: verl's rollout-correction helper wraps its IS
+    weights with ``DataProto.from_dict`` (``TensorDict(source=, batch_size=)``), and its
+    ``bypass_mode`` loss reads them back by key and takes ``len`` of the wrapper (``batch_size``)."""
+
+    def __init__(self, source=None, batch_size=None):
+        super().__init__(source or {})
+        self.batch_size = batch_size
+
+
 def _stubs() -> dict[str, types.ModuleType]:
     stubs = {}
     if importlib.util.find_spec("ray") is None:
@@ -52,7 +65,7 @@ def _stubs() -> dict[str, types.ModuleType]:
     if importlib.util.find_spec("tensordict") is None:
         tensordict = types.ModuleType("tensordict")
         tensordict.__path__ = []
-        tensordict.TensorDict = type("TensorDict", (), {})
+        tensordict.TensorDict = _TensorDict
         tensorclass = types.ModuleType("tensordict.tensorclass")
         tensorclass.NonTensorData = type("NonTensorData", (), {})
         tensorclass.NonTensorStack = type("NonTensorStack", (), {})

@@ -81,12 +81,34 @@ CASES = [
         loss_type="ppo", kl_coef=0.1, kl_estimator="k3+", rollout_correction="seq_mis", rollout_clip_min=0.5
     ),
     dict(loss_type="ppo", kl_coef=0.1, kl_estimator="k1", rollout_correction="token_tis", entropy_coef=-0.01),
+    # ref − logp = 12 on row 0 (_batch): TRL's k3 without the clamps, e^12 ≈ 1.6e5
+    dict(loss_type="cispo", clip_low=0.2, clip_high=0.3, kl_coef=0.1, kl_estimator="k3_unclamped"),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_kernel_matches_reference(case):
     _compare(rk.PolicyLossConfig(**CASES[case]), _batch(seed=case, per_token_adv=case % 2 == 1))
+
+
+def test_k3_unclamped_at_large_drifts():
+    """The kernel's k3_unclamped against the reference per token where the exponential is large,
+    near the float32 maximum (e^88) and overflows (e^95: +inf, as torch.expm1, not NaN)."""
+    d = _batch(b=2, t=8, seed=4)
+    d["mask"][:] = True
+    d["ids"] = d["ids"].abs()
+    drift = torch.tensor([0.3, -0.4, 2.9, 12.0, 40.0, 60.0, 88.0, 95.0])  # ref − logp
+    d["ref_logp"] = d["logp"] + drift
+    cfg = rk.PolicyLossConfig(loss_type="reinforce", kl_coef=0.5, kl_estimator="k3_unclamped")
+    plan = _plan(cfg, d, global_tokens=1.0)
+    logp = d["logp"].reshape(-1).to(DEVICE)
+    got = tl_mod.token_loss(plan, logp, None, backend="triton")
+    want = tl_mod.token_loss(plan, logp, None, backend="reference")
+    finite = torch.isfinite(want.g_logp)
+    assert finite.sum() == 14 and bool((want.g_logp[~finite] == -float("inf")).all())
+    torch.testing.assert_close(got.g_logp[finite], want.g_logp[finite], **TOL)
+    assert torch.equal(got.g_logp[~finite], want.g_logp[~finite])
+    assert got.loss == want.loss == float("inf")
 
 
 def test_global_normalizer_tensor_and_floor():

@@ -69,12 +69,18 @@ def k3(lp, ref):
     return clamp(torch.exp(x) - 1.0 - x, -10.0, 10.0)
 
 
+def k3_unclamped(lp, ref):
+    x = ref - lp
+    return torch.exp(x) - 1.0 - x
+
+
 def kl_one(lp, ref, estimator):
     """One token's KL estimate; "+" = value of the base estimator with the gradient of k2."""
     ref = ref.detach()
     names = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
     estimator = names.get(estimator, estimator)
-    base = {"k1": k1, "k2": k2, "k3": k3, "abs": lambda a, b: torch.abs(a - b)}[estimator.rstrip("+")]
+    bases = {"k1": k1, "k2": k2, "k3": k3, "k3_unclamped": k3_unclamped, "abs": lambda a, b: torch.abs(a - b)}
+    base = bases[estimator.rstrip("+")]
     if estimator.endswith("+"):
         g = k2(lp, ref)
         return g - g.detach() + base(lp, ref).detach()
@@ -148,8 +154,9 @@ def policy_terms(cfg, seq):
     raise AssertionError(kind)
 
 
-def rollout_weights(cfg, seq, idx):
-    """Per-active-token detached weights (sequence modes: the same weight on every token)."""
+def rollout_weights(cfg, seq, idx, *, fold=True):
+    """Per-active-token detached weights (sequence modes: the same weight on every token); ``fold``:
+    gmpo's geometric mean per sequence of token weights."""
     old, roll = seq["old"].detach(), seq["rollout"].detach()
     level, kind = cfg.rollout_correction.split("_")
     lo, hi = cfg.rollout_clip_min, cfg.rollout_clip_max
@@ -164,10 +171,37 @@ def rollout_weights(cfg, seq, idx):
         else:
             inside = (lo is None or p >= lo) and (hi is None or p <= hi)
             weights.append(p if inside else torch.zeros_like(p))
-    if cfg.loss_type == "gmpo" and level == "token" and idx:
-        geo = torch.exp(sum(torch.log(w) for w in weights) / len(weights))
-        weights = [geo] * len(idx)
+    if fold:
+        weights = fold_gmpo(cfg, weights)
     return weights
+
+
+def fold_gmpo(cfg, weights):
+    if cfg.loss_type == "gmpo" and cfg.rollout_correction.startswith("token") and weights:
+        geo = torch.exp(sum(torch.log(w) for w in weights) / len(weights))
+        return [geo] * len(weights)
+    return weights
+
+
+def batch_rollout_weights(cfg, seqs):
+    """Each sequence's weights (a list per sequence, [] without active tokens), batch-normalized
+    when ``cfg.rollout_batch_normalize``: divided by their mean over the active tokens (token level)
+    or over the sequences with an active token (sequence level), unless that mean is ≤ 1e-8; then
+    gmpo's fold."""
+    per_seq = []
+    for seq in seqs:
+        idx = [t for t in range(seq["mask"].shape[0]) if bool(seq["mask"][t])]
+        per_seq.append(rollout_weights(cfg, seq, idx, fold=False) if idx else [])
+    if cfg.rollout_batch_normalize:
+        if cfg.rollout_correction.startswith("token"):
+            values = [w for ws in per_seq for w in ws]
+        else:
+            values = [ws[0] for ws in per_seq if ws]
+        if values:
+            mean = sum(values) / len(values)
+            if mean > 1e-8:
+                per_seq = [[w / mean for w in ws] for ws in per_seq]
+    return [fold_gmpo(cfg, ws) for ws in per_seq]
 
 
 # ----------------------------------------------------------------------------------- aggregation
@@ -197,10 +231,11 @@ def aggregate(cfg, per_seq_terms, width, global_tokens=None, global_seqs=None):
 def policy_loss(cfg, seqs, width, *, global_tokens=None, global_seqs=None):
     """The whole objective: agg(w·policy + kl_coef·KL) − entropy_coef·agg(H), float64."""
     losses, entropies = [], []
-    for seq in seqs:
+    weights = batch_rollout_weights(cfg, seqs) if cfg.rollout_correction is not None else None
+    for i, seq in enumerate(seqs):
         idx, terms = policy_terms(cfg, seq)
-        if cfg.rollout_correction is not None and idx:
-            terms = [x * w for x, w in zip(terms, rollout_weights(cfg, seq, idx), strict=True)]
+        if weights is not None and idx:
+            terms = [x * w for x, w in zip(terms, weights[i], strict=True)]
         if cfg.kl_coef > 0:
             terms = [
                 x + cfg.kl_coef * kl_one(seq["logp"][t], seq["ref"][t], cfg.kl_estimator)

@@ -293,6 +293,23 @@ def test_token_level_path_with_global_normalizers(aggregation, monkeypatch, set_
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
 
 
+@interpreter_quiet
+@pytest.mark.parametrize("estimator", ["k3", "k3_unclamped"])
+def test_token_level_path_k3_forms_at_far_drifts(estimator, monkeypatch, set_options):
+    """k3 with verl's clamps and TRL's unclamped k3 where the clamps bite (ref_logp from −30 to 10
+    against log-probs of the logits in about [−8, 0]: ref − logp up to ~18): the fused kernel's KL
+    branch equals the composed path."""
+    calls = _token_path_spy(monkeypatch, set_options)
+    cfg = config("ppo", kl_coef=0.1, kl_estimator=estimator)
+    p = _on_device(_problem(seed=13))
+    b = p["batch"]
+    b["ref_logp"] = torch.linspace(-30.0, 10.0, b["ref_logp"].numel(), device=DEVICE).reshape(b["mask"].shape)
+    fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
+    assert calls
+    torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
+    torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
+
+
 SEQUENCE_LEVEL = [n for n, c in LOSS_CONFIGS.items() if n not in TOKEN_LEVEL]
 
 

@@ -23,6 +23,7 @@ ANALYTIC = {
     "abs": (lambda d: d.abs(), lambda d: d.sign()),
     "k1+": (lambda d: d, lambda d: d),
     "k3+": (lambda d: torch.exp(-d) - 1 + d, lambda d: d),
+    "k3_unclamped": (lambda d: torch.exp(-d) - 1 + d, lambda d: 1 - torch.exp(-d)),
 }
 ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
 
@@ -60,14 +61,37 @@ def test_k3_reproduces_verl_clamps():
     assert grad.tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
+def test_k3_unclamped_has_no_clamps():
+    """TRL's k3: e^{−d} − 1 + d and its gradient 1 − e^{−d} where k3's clamps bite (k3 > 10, |d| > 20),
+    against the float64 formula; the clamped k3 differs there."""
+    g = torch.Generator().manual_seed(5)
+    drift = torch.tensor([4.0, 7.5, 25.0, 40.0, -12.0, -30.0, 0.3, -0.2], dtype=torch.float64)
+    logp = (-3 * torch.rand(8, generator=g, dtype=torch.float64)).requires_grad_(True)
+    ref = logp.detach() + drift  # ref − logp = drift = −d
+    d = -drift
+    kl = rk.kl_penalty(logp, ref, "k3_unclamped")
+    torch.testing.assert_close(kl.detach(), torch.exp(-d) - 1 + d, atol=0, rtol=1e-13)
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    torch.testing.assert_close(grad, 1 - torch.exp(-d), atol=0, rtol=1e-13)
+    clamped = rk.kl_penalty(logp.detach(), ref, "k3")
+    assert bool((clamped[:6] == 10.0).all()) and bool((kl[:6] > 10.0).all())
+    torch.testing.assert_close(clamped[6:], kl.detach()[6:], atol=1e-15, rtol=0)  # no clamp active
+    # float32: the same values (relative), and +inf once e^{−d} overflows (as TRL's exp), never NaN
+    kl32 = rk.kl_penalty(logp.detach().float(), ref.float(), "k3_unclamped")
+    torch.testing.assert_close(kl32.double(), kl.detach(), atol=1e-6, rtol=2e-6)
+    far = rk.kl_penalty(torch.tensor([-1.0, -1.0]), torch.tensor([-1.0 + 88.0, -1.0 + 95.0]), "k3_unclamped")
+    assert torch.isfinite(far[0]) and far[0] > 1e38 and far[1] == float("inf")
+
+
 def test_k3_is_accurate_for_tiny_differences():
     logp = torch.full((3,), -2.0)
     ref = logp + torch.tensor([1e-4, -3e-4, 2e-5])
-    kl = rk.kl_penalty(logp, ref, "k3")
     d = (logp - ref).double()
     exact = d**2 / 2 - d**3 / 6
-    # expm1(−d) + d errs by ~ε·|d|; the naive exp(−d) − 1 + d would err by ~ε (6e-8 in fp32).
-    assert bool(((kl.double() - exact).abs() <= 1e-6 * d.abs()).all())
+    for estimator in ("k3", "k3_unclamped"):
+        kl = rk.kl_penalty(logp, ref, estimator)
+        # expm1(−d) + d errs by ~ε·|d|; the naive exp(−d) − 1 + d would err by ~ε (6e-8 in fp32).
+        assert bool(((kl.double() - exact).abs() <= 1e-6 * d.abs()).all())
 
 
 def test_ref_logp_gets_no_gradient_and_dtypes():

@@ -170,7 +170,7 @@ def test_nonfinite_rollout_logp_gives_nan_for_every_correction(mode, monkeypatch
                     assert torch.isnan(loss), (loss_type, mode, where, value, path)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k1+", "k3+"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k1+", "k3+", "k3_unclamped"])
 def test_nonfinite_ref_logp_gives_nan_for_every_kl_estimator(estimator, monkeypatch):
     cfg = config("ppo", kl_coef=0.1, kl_estimator=estimator)
     for value in NONFINITE:
@@ -192,7 +192,7 @@ def test_kl_penalty_nonfinite_logp_gives_nan():
     for value in NONFINITE:
         x = logp.clone()
         x[2] = value
-        for estimator in ("k1", "k2", "k3", "abs", "k1+", "k3+"):
+        for estimator in ("k1", "k2", "k3", "abs", "k1+", "k3+", "k3_unclamped"):
             out = rk.kl_penalty(x, ref, estimator)
             assert torch.isnan(out[2]) and torch.isfinite(out[torch.arange(6, device=DEVICE) != 2]).all()
 

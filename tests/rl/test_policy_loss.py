@@ -78,7 +78,9 @@ def test_rollout_correction_matches_formula(name, mode, bounds):
     assert ("rollout_frac_truncated" if mode.endswith("tis") else "rollout_frac_masked") in out.metrics
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k1+", "k3+", "low_var_kl", "mse"])
+@pytest.mark.parametrize(
+    "estimator", ["k1", "k2", "k3", "abs", "k1+", "k3+", "k3_unclamped", "low_var_kl", "mse"]
+)
 def test_kl_term_matches_formula(estimator):
     cfg = config("ppo", kl_coef=0.3, kl_estimator=estimator)
     batch = make_batch(4, 6, seed=11)

@@ -19,7 +19,7 @@ from .helpers import AGGREGATIONS, LOSS_CONFIGS, add_garbage, config, grads, mak
 F32 = torch.float32
 TOL = dict(atol=2e-6, rtol=2e-5)
 ELIGIBLE = [n for n, c in LOSS_CONFIGS.items() if c["loss_type"] in tl_mod.ELIGIBLE_LOSS_TYPES]
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "k3_unclamped")
 CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis")
 
 
@@ -84,7 +84,7 @@ def test_kl_estimators_and_rollout_corrections(estimator, correction):
         rollout_clip_max=1.2,
     )
     batch = make_batch(4, 6, seed=3, dtype=F32)
-    with torch.no_grad():  # far drifts so that the k3 clamps (|d| > 2.6) bite too
+    with torch.no_grad():  # far drifts so that the k3 clamps (|d| > 2.6) bite too (not k3_unclamped's)
         batch["ref_logp"][0, :3] = batch["logp"][0, :3] + torch.tensor([-4.0, 12.0, 0.0])
     _check(cfg, batch)
 

@@ -6,8 +6,8 @@ constants, :mod:`rlkernel.reference.token_loss` for the oracle, and
 
     lr  = logp − old,   r = exp(clamp(lr, ±20))      (on-policy, BRANCH.HAS_OLD False: old = logp)
     P   = the loss type's term (ppo with δ cap and dual clip | cispo | sapo | reinforce), dP/dlogp
-    K   = the KL estimator at d = logp − ref (k1 | k2 | k3 with verl's clamps | abs; "+" forms:
-          the value of the base, the gradient d of k2), dK/dlogp
+    K   = the KL estimator at d = logp − ref (k1 | k2 | k3 with verl's clamps | abs | k3_unclamped,
+          TRL's k3; "+" forms: the value of the base, the gradient d of k2), dK/dlogp
     w   = factor_t / D,  D = norm_mult · max(denom, denom_floor)    (aggregation weight)
     ℓ_t = w·(ρ_t·P + kl_coef·K − entropy_coef·H_t)
     g_logp = w·(ρ_t·dP/dlogp + kl_coef·dK/dlogp),   g_entropy = −w·entropy_coef
@@ -54,15 +54,19 @@ NO_KL = tl.constexpr(KL_CODES[None])
 K1 = tl.constexpr(KL_CODES["k1"])
 K2 = tl.constexpr(KL_CODES["k2"])
 K3 = tl.constexpr(KL_CODES["k3"])
+K3_UNCLAMPED = tl.constexpr(KL_CODES["k3_unclamped"])
 
 
 @triton.jit
 def _expm1(z):
-    # Kahan: u = exp(z); (u − 1)·z / log(u) cancels the rounding of u; exact branches near 0 and −inf.
+    # Kahan: u = exp(z); (u − 1)·(z / log u) cancels the rounding of u; exact branches near 0 and
+    # −inf, and +inf where exp overflows (z > ~88.7: only k3_unclamped gets there), as torch.expm1.
+    # z / log u (≈ 1) first: (u − 1)·z would overflow for finite results near the float32 maximum.
     u = tl.exp(z)
     um1 = u - 1.0
-    safe = tl.where((u == 1.0) | (um1 == -1.0), 1.0, um1 * z / tl.log(tl.where(u == 1.0, 2.0, u)))
-    return tl.where(u == 1.0, z, tl.where(um1 == -1.0, -1.0, safe))
+    edge = (u == 1.0) | (um1 == -1.0) | (u == float("inf"))
+    safe = tl.where(edge, 1.0, um1 * (z / tl.log(tl.where(edge, 2.0, u))))
+    return tl.where(u == 1.0, z, tl.where(um1 == -1.0, -1.0, tl.where(u == float("inf"), u, safe)))
 
 
 @triton.jit
@@ -160,6 +164,10 @@ def token_terms(offs, active, seq, x, h, inputs, s, BRANCH: tl.constexpr):
                 * _pass(nd, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
                 * _pass(v, -K3_VALUE_BOUND, K3_VALUE_BOUND)
             )
+        elif BRANCH.KL == K3_UNCLAMPED:  # expm1(−d) + d, no clamps (TRL's k3)
+            em = _expm1(-d)
+            kv = em + d
+            kg = -em
         else:  # abs
             kv = tl.abs(d)
             kg = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))

@@ -85,10 +85,13 @@ def _kl(kl: str, d: torch.Tensor, straight: bool) -> tuple[torch.Tensor, torch.T
             * _pass(nd, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
             * _pass(v, -K3_VALUE_BOUND, K3_VALUE_BOUND)
         )
+    elif kl == "k3_unclamped":
+        em = torch.expm1(-d)
+        value, grad = em + d, -em
     elif kl == "abs":
         value, grad = d.abs(), torch.sign(d)
     else:
-        raise ValueError(f"kl must be k1 | k2 | k3 | abs, got {kl!r}")
+        raise ValueError(f"kl must be k1 | k2 | k3 | abs | k3_unclamped, got {kl!r}")
     return value, (d if straight else grad)
 
 

@@ -1,12 +1,12 @@
 """The RL objective algebra on ``[B, T]`` (or packed) tensors.
 
 advantages   group_advantages: grpo | dr_grpo | rloo | reinforce_pp_baseline
-kl           kl_penalty: k1 | k2 | k3 | abs | k1+ | k3+ (and verl's aliases)
+kl           kl_penalty: k1 | k2 | k3 | abs | k1+ | k3+ | k3_unclamped (and verl's aliases)
 config       PolicyLossConfig and its presets
 aggregate    sequence segmentation (padded / packed) and the five aggregation modes (token-sum included)
 objectives   per-token terms of every loss type (ppo … reinforce, vespo, dppo_tv/kl, clip_cov, kl_cov, dro)
 covariance   clip_cov / kl_cov token selection (verl's)
-rollout      rollout-mismatch correction weights (TIS / MIS, token / sequence), rollout rejection
+rollout      rollout-mismatch correction weights (TIS / MIS, token / sequence, batch-normalized), rejection
 masks        TRL's off-policy sequence mask and top-entropy-quantile mask
 batch        validate_batch: every input checked once -> LossBatch
 token_loss   the token-level plan of the fused path

@@ -28,7 +28,7 @@ What each reproduces, and where verl and TRL differ (verl ``actor_rollout_ref.ac
   ``kl_loss_coef=0.001``, ``kl_loss_type=low_var_kl``; needs ``ref_logp``). verl's GRPO examples use
   ``loss_agg_mode=token-mean`` and ``clip_ratio_c=3``: override ``aggregation="token-mean",
   dual_clip=3.0`` for those. TRL's ``beta`` (KL coefficient) defaults to 0.0, the paper used 0.04;
-  TRL's k3 has no clamps (see :mod:`rlkernel.rl.kl`).
+  TRL's k3 has no clamps: ``kl_estimator="k3_unclamped"`` (see :mod:`rlkernel.rl.kl`).
 * ``dapo`` — the verl DAPO recipe: ``clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0``,
   ``token-mean``, no KL. TRL ``loss_type="dapo"``, ``epsilon_high=0.28`` has no dual clip (it
   differs only where A < 0 and r > 10) and normalizes by the global token count: pass
@@ -213,8 +213,8 @@ class PolicyLossConfig:
             ``None`` uses the padded width (packed input: the longest sequence).
         kl_coef: weight ≥ 0 of the per-token KL penalty against ``ref_logp`` (> 0 requires
             ``ref_logp``).
-        kl_estimator: ``k1 | k2 | k3 | abs | k1+ | k3+`` or a verl alias (``kl``, ``mse``,
-            ``low_var_kl``, ``kl+``, ``low_var_kl+``).
+        kl_estimator: ``k1 | k2 | k3 | abs | k1+ | k3+ | k3_unclamped`` or a verl alias (``kl``,
+            ``mse``, ``low_var_kl``, ``kl+``, ``low_var_kl+``).
         entropy_coef: entropy bonus weight (finite; ≠ 0 requires ``entropy``): loss −= coef·agg(H).
         rollout_correction: ``None | token_tis | seq_tis | token_mis | seq_mis`` (requires
             ``rollout_logp``; see :mod:`rlkernel.rl.rollout`).
@@ -239,6 +239,10 @@ class PolicyLossConfig:
             (1 − ρ)-quantile of the active tokens' entropies keep their policy term (requires
             ``entropy``); 1.0 (the default) is off. (Formulas of the last five fields:
             :mod:`rlkernel.rl.rollout` and :mod:`rlkernel.rl.masks`.)
+        rollout_batch_normalize: divide the correction's weights by their mean over this call
+            (verl's ``rollout_is_batch_normalize``): over the active tokens for ``token_*``, over
+            the sequences with an active token for ``seq_*``; no division when that mean is
+            ≤ 1e-8 (verl's guard). Requires ``rollout_correction``.
 
     More loss types, the sequence-ratio convention and the ratio-weighted KL (issue 14; the
     formulas are in :mod:`rlkernel.rl.objectives`):
@@ -318,6 +322,8 @@ class PolicyLossConfig:
     rollout_rs_max: float | None = None
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
+    # --- verl's rollout_is_batch_normalize: the correction's weights divided by their batch mean.
+    rollout_batch_normalize: bool = False
 
     def __post_init__(self) -> None:
         check.choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -334,6 +340,12 @@ class PolicyLossConfig:
         self._check_fp32()
         self._check_more_losses()
         self._check_masks()
+        check.boolean("rollout_batch_normalize", self.rollout_batch_normalize)
+        if self.rollout_batch_normalize and self.rollout_correction is None:
+            raise ValueError(
+                "rollout_batch_normalize=True needs rollout_correction (it normalizes the correction's "
+                "weights; precomputed rollout_weights are the caller's to normalize)"
+            )
 
     def _check_fp32(self) -> None:
         """Every number must survive the float32 math (and the kernels' float32 scalars) as it is:

@@ -42,6 +42,8 @@ Metrics (detached 0-dim tensors, no host sync; over the active tokens of this ca
     rollout_weight_mean              (a correction or rollout_weights) mean of the applied weight
     rollout_frac_truncated           (TIS) fraction of tokens whose ρ was truncated
     rollout_frac_masked              (MIS) fraction of tokens whose ρ was rejected
+    rollout_norm_factor              (rollout_batch_normalize) the batch mean the weights were divided
+                                     by (1 where they were not)
     vespo_phi_mean                   (vespo) mean Gamma weight φ over the active tokens
     cov_frac                         (clip_cov / kl_cov) fraction of tokens cut / penalized
     rollout_rs_frac_rejected         (rollout_rs) fraction of the given active tokens rejected
@@ -330,6 +332,7 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
             cfg.rollout_clip_max,
             per_sequence=cfg.loss_type in objectives.ROLLOUT_PER_SEQUENCE,
             fold_mask=batch.mask,
+            batch_normalize=cfg.rollout_batch_normalize,
         )
     term = objectives.policy_term(
         cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask, rollout_w=correction
@@ -415,6 +418,8 @@ def _metrics(cfg, batch: _Batch, term, kl, weights, applied) -> dict[str, torch.
         metrics["rollout_weight_mean"] = masked_mean(weights.weight, m)
         name = "rollout_frac_truncated" if cfg.rollout_correction.endswith("tis") else "rollout_frac_masked"
         metrics[name] = masked_mean(weights.changed.to(batch.logp.dtype), m)
+        if weights.norm_factor is not None:
+            metrics["rollout_norm_factor"] = weights.norm_factor
     if applied["given"] is not None:
         metrics["rollout_weight_mean"] = masked_mean(applied["given"], m)
     if batch.rejection is not None:

@@ -15,6 +15,18 @@ reweighted by (a function of) ρ = π_old / π_rollout, detached, before the KL 
 ``min``/``max`` are ``cfg.rollout_clip_min``/``cfg.rollout_clip_max``; ``None`` means no bound on that
 side. Sequence weights apply to every token of the sequence.
 
+Batch normalization (``cfg.rollout_batch_normalize``, verl's ``rollout_is_batch_normalize``): the
+weights are then divided by their mean over the call,
+
+    w̄ = Σ_t m_t w_t / Σ_t m_t                 token level (over the active tokens)
+    w̄ = Σ_i w_i / #{i : n_i > 0}              sequence level (over the sequences with an active token)
+    w ← w / w̄   where w̄ > 1e-8, else w unchanged (verl's guard)
+
+after the truncation or rejection and before anything folds them (gmpo, vespo). The mean is over
+this call only: verl all-reduces Σ and the count over its ranks when ``torch.distributed`` is
+initialized; :func:`batch_mean_terms` and :func:`batch_normalized` let a caller do the same
+(``rlkernel.integrations.verl`` does).
+
 For ``gmpo``, whose loss is one value per sequence, token-level weights are folded into one weight per
 sequence by their geometric mean exp(Σ_t m log w_t / n_i), as verl's ``geo_mean`` loss does.
 
@@ -62,6 +74,9 @@ Caveats:
       A NaN statistic (NaN or ±inf in ``old_logp``/``rollout_logp`` at an active token of the
       token, or of the sequence for ``seq_*``) keeps the token in the mask with a NaN weight,
       so the loss is NaN; verl's comparisons would reject it silently.
+    * Batch normalization: verl's local mean divides by Σ m + 1e-8 (token level); here by Σ m (a
+      relative 1e-8 / Σ m). A NaN weight makes w̄ NaN, and then the weights are left as they are
+      (NaN among them: the loss is NaN).
     * NaN in ``rollout_logp`` (or ``old_logp``) at an active token gives a NaN weight (never silently
       truncated or rejected). Its callers (``policy_loss``, the fused plan) turn ±inf log-probs
       into NaN first, so those give a NaN weight too rather than a weight of 0 or ``max``. A ρ that
@@ -76,11 +91,12 @@ from dataclasses import dataclass
 import torch
 
 from rlkernel import _validate as check
-from rlkernel.rl.aggregate import finite_or_nan, masked, seq_count, seq_sum
+from rlkernel.rl.aggregate import finite_or_nan, masked, seq_count, seq_mean, seq_sum
 from rlkernel.rl.batch import segments_for
 from rlkernel.rl.config import PolicyLossConfig
 
 REJECTION_LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND on log ρ before the divergences
+BATCH_NORM_FLOOR = 1e-8  # verl: weights whose batch mean is at most this are not normalized
 
 
 @dataclass(frozen=True)
@@ -92,10 +108,13 @@ class RolloutWeights:
             broadcast over the sequence); finite garbage-free values at masked positions.
         changed: ``[S, L]`` bool: ρ was truncated (TIS) or rejected (MIS) at this token (for a
             sequence-level mode: for this token's sequence).
+        norm_factor: 0-dim, the batch mean w̄ the weights were divided by (1 where they were not:
+            w̄ ≤ 1e-8 or NaN), or ``None`` without batch normalization.
     """
 
     weight: torch.Tensor
     changed: torch.Tensor
+    norm_factor: torch.Tensor | None = None
 
 
 def _log_rho(
@@ -128,6 +147,7 @@ def rollout_weights(
     *,
     per_sequence: bool = False,
     fold_mask: torch.Tensor | None = None,
+    batch_normalize: bool = False,
 ) -> RolloutWeights:
     """Correction weights for ``mode`` in ``token_tis | seq_tis | token_mis | seq_mis``.
 
@@ -138,6 +158,8 @@ def rollout_weights(
         clip_min, clip_max: the bounds (``None``: unbounded on that side).
         per_sequence: fold token weights into one geometric-mean weight per sequence (gmpo).
         fold_mask: the tokens that fold (the loss's mask after rejection); ``mask`` when None.
+        batch_normalize: divide the weights by their mean over ``mask`` first (see the module
+            docstring).
 
     Returns:
         :class:`RolloutWeights`, detached.
@@ -149,9 +171,46 @@ def rollout_weights(
         weight = rho.clamp(min=clip_min, max=clip_max)
     else:
         weight = torch.where(outside, torch.zeros_like(rho), rho)
+    factor = None
+    if batch_normalize:
+        weight = masked(weight, mask)
+        weight, factor = batch_normalized(weight, *batch_mean_terms(weight, mask, level))
     if per_sequence and level == "token":
         weight = fold_per_sequence(weight, mask if fold_mask is None else fold_mask)
-    return RolloutWeights(masked(weight, mask), outside & mask)
+    return RolloutWeights(masked(weight, mask), outside & mask, factor)
+
+
+@torch.no_grad()
+def batch_mean_terms(
+    weight: torch.Tensor, mask: torch.Tensor, level: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(total, count)``, 0-dim, whose ratio is the batch mean w̄ of the weights (module docstring).
+
+    Args:
+        weight: ``[S, L]`` float weights (sequence level: one value repeated over each sequence's
+            active tokens); any value at masked positions.
+        mask: ``[S, L]`` bool, the active tokens.
+        level: ``"token"`` (Σ_t m_t w_t, Σ_t m_t) or ``"seq"`` (Σ_i w_i, #sequences with an active
+            token).
+
+    A caller that normalizes over several ranks all-reduces both (a sum) before
+    :func:`batch_normalized`.
+    """
+    if level == "seq":
+        has = mask.any(-1)
+        return torch.where(has, seq_mean(weight, mask), 0.0).sum(), has.sum().to(weight.dtype)
+    return masked(weight, mask).sum(), mask.sum().to(weight.dtype)
+
+
+@torch.no_grad()
+def batch_normalized(
+    weight: torch.Tensor, total: torch.Tensor, count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight / w̄, w̄)`` with w̄ = total / count, or ``(weight, 1)`` where w̄ ≤ 1e-8 or is NaN
+    (verl's guard; no host sync). ``count`` 0 (no active token) gives w̄ = 0: unchanged."""
+    mean = total / count.clamp_min(1)
+    normalize = mean > BATCH_NORM_FLOOR
+    return torch.where(normalize, weight / mean, weight), torch.where(normalize, mean, 1.0)
 
 
 @torch.no_grad()

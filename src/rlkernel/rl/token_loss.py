@@ -9,14 +9,15 @@ on token t's own logp_t (and dL/dentropy_t on nothing at all):
 
 That holds for ``ppo`` (with ``delta`` and ``dual_clip``), ``cispo``, ``sapo`` and ``reinforce``,
 every aggregation (padded or packed, with or without global normalizers; ``token-sum``: w_t = 1),
-every KL estimator and every rollout correction (``token_*`` and ``seq_*``: their weights are
-detached functions of ``old_logp``/``rollout_logp`` only), given ``rollout_weights`` (they are ρ_t),
-rollout rejection (``cfg.rollout_rs``: a function of ``old_logp``/``rollout_logp``; the rejected
-tokens become ignored ids, leave the aggregation's counts, and a NaN statistic's NaN marker joins
-ρ_t) and on-policy calls (``old_logp=None``: the plan has no ``old`` and the kernel's
-``HAS_OLD=False`` branch uses the token's own logp as old, lr = 0, r = 1 with dr/dlogp = 1 — no
-second log-prob pass, no copy). Not eligible (:func:`is_eligible`; ``fused_policy_loss`` takes its
-fused coefficient path from logits, :func:`rlkernel.policy_loss`'s autograd path otherwise):
+every KL estimator and every rollout correction (``token_*`` and ``seq_*``, batch-normalized or not:
+their weights are detached functions of ``old_logp``/``rollout_logp`` only), given
+``rollout_weights`` (they are ρ_t), rollout rejection (``cfg.rollout_rs``: a function of
+``old_logp``/``rollout_logp``; the rejected tokens become ignored ids, leave the aggregation's
+counts, and a NaN statistic's NaN marker joins ρ_t) and on-policy calls (``old_logp=None``: the
+plan has no ``old`` and the kernel's ``HAS_OLD=False`` branch uses the token's own logp as old,
+lr = 0, r = 1 with dr/dlogp = 1 — no second log-prob pass, no copy). Not eligible
+(:func:`is_eligible`; ``fused_policy_loss`` takes its fused coefficient path from logits,
+:func:`rlkernel.policy_loss`'s autograd path otherwise):
 
 * ``gspo``, ``gspo_token``, ``gmpo`` and ``vespo``: the per-token loss (or its detached weight)
   depends on the whole sequence's current log-probs;
@@ -206,7 +207,13 @@ def _rollout_terms(batch: LossBatch, act2: torch.Tensor) -> tuple[torch.Tensor |
         old2, roll2 = padded(batch.old_logp), padded(batch.rollout_logp)
     if cfg.rollout_correction is not None:
         weight = rollout.rollout_weights(
-            old2, roll2, act2, cfg.rollout_correction, cfg.rollout_clip_min, cfg.rollout_clip_max
+            old2,
+            roll2,
+            act2,
+            cfg.rollout_correction,
+            cfg.rollout_clip_min,
+            cfg.rollout_clip_max,
+            batch_normalize=cfg.rollout_batch_normalize,
         ).weight
     elif batch.rollout_weights is not None:
         weight = masked(padded(batch.rollout_weights), act2)

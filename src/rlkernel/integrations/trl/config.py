@@ -33,8 +33,9 @@ vespo's KL weighted by a sequence ratio: rlkernel's ``seq_ratio`` applies to gsp
 Caveats (where rlkernel's guards differ from TRL's unguarded formulas; see docs/integrations/trl.md):
     * rlkernel clamps the token log-ratio to ±20 before the exponential (ppo, cispo, sapo) and the
       sequence log-ratio of gspo from above at 10; TRL does not clamp.
-    * rlkernel's k3 clamps the exponent to ±20 and the value to ±10 (verl's guards); TRL's k3 does
-      not. They differ where ref_logp − logp > ~2.6 (k3 > 10).
+    * TRL's β·k3 maps onto ``kl_estimator="k3_unclamped"`` (TRL's formula, no clamps), not onto
+      rlkernel's default ``k3``, which clamps the exponent to ±20 and the value to ±10 (verl's guards)
+      and would differ where ref_logp − logp > ~2.6 (k3 > 10).
 """
 
 from __future__ import annotations
@@ -273,7 +274,8 @@ def plan_from_trl(args: object) -> TRLLossPlan:
                 "it by the token ratio. Use importance_sampling_level='token' or "
                 "use_bias_correction_kl=False",
             )
-        fields.update(kl_coef=beta, kl_estimator="k3", kl_ratio_weighted=weighted)
+        # TRL's k3 has no clamps: rlkernel's k3 (verl's ±20 / ±10 guards) would differ at large drifts.
+        fields.update(kl_coef=beta, kl_estimator="k3_unclamped", kl_ratio_weighted=weighted)
     fields.update(_mask_fields(args))
     rollout = bool(_field(args, "use_vllm")) and bool(_field(args, "vllm_importance_sampling_correction"))
     if rollout:

@@ -3,15 +3,17 @@
 Importing this package (it imports verl) does two things, once per process
 (docs/integrations/verl.md):
 
-1. **Policy losses.** For each row of :data:`LOSS_MODES` it registers ``rk_<mode>`` in
-   ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``: a function with the signature, defaults and
-   return values of verl's own ``<mode>`` loss, computed by :func:`rlkernel.policy_loss`
-   (:mod:`.losses`). Before registering, it runs verl's own function on a probe batch to find how
-   the installed verl aggregates each ``loss_agg_mode`` (:mod:`.probe`); what it cannot reproduce
-   raises a ``RuntimeError`` saying so when called. :data:`PLANS` records what was found.
+1. **Policy losses.** For each row of :data:`LOSS_MODES`, and for :data:`BYPASS_MODE`, it registers
+   ``rk_<mode>`` in ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``: a function with the
+   signature, defaults and return values of verl's own ``<mode>`` loss, computed by
+   :func:`rlkernel.policy_loss` (:mod:`.losses`; ``bypass_mode``'s rollout IS weights and rejection
+   by :mod:`rlkernel.rl.rollout`, :mod:`.bypass`). Before registering, it runs verl's own function on
+   a probe batch to find how the installed verl aggregates each ``loss_agg_mode`` (:mod:`.probe`);
+   what it cannot reproduce raises a ``RuntimeError`` saying so when called. :data:`PLANS` records
+   what was found.
 
        rk_vanilla  rk_gspo  rk_sapo  rk_cispo  rk_geo_mean  rk_gpg  rk_dro
-       rk_dppo_tv  rk_dppo_kl  rk_clip_cov  rk_kl_cov
+       rk_dppo_tv  rk_dppo_kl  rk_clip_cov  rk_kl_cov  rk_bypass_mode
 
 2. **Fused forward.** It wraps verl's ``patch_forward_with_backends`` so that
    ``fused_kernel_options.impl_backend: rlkernel`` (with ``use_fused_kernels: true``) makes the
@@ -23,9 +25,10 @@ verl's workers import it when the config names it:
     actor_rollout_ref.model.external_lib=rlkernel.integrations.verl
     actor_rollout_ref.actor.policy_loss.loss_mode=rk_vanilla
 
-Tested with verl 0.9.1 (:data:`TESTED_VERSIONS`; CI compares every mode and aggregation with its
-code). Not registered yet: ``bypass_mode`` (it computes rollout weights and rejection masks inside
-the loss).
+In verl's bypass mode (``algorithm.rollout_correction.bypass_mode=true``) verl's trainer sets
+``loss_mode=bypass_mode`` itself; ``rk_bypass_mode`` is chosen by overriding it after that (see
+docs/integrations/verl.md). Tested with verl 0.9.1 (:data:`TESTED_VERSIONS`; CI compares every mode
+and aggregation with its code).
 
 Raises (at import):
     ImportError: verl (or what its package imports: ray, tensordict) is not installed.
@@ -43,6 +46,7 @@ from types import MappingProxyType
 from typing import Any
 
 from rlkernel.integrations.verl import forward, losses, probe
+from rlkernel.integrations.verl.bypass import BYPASS_MODE
 from rlkernel.integrations.verl.forward import (
     FUSED_BACKEND,
     forward_with_rlkernel_backend,
@@ -51,6 +55,7 @@ from rlkernel.integrations.verl.forward import (
 from rlkernel.integrations.verl.losses import LOSS_MODES, ModePlan
 
 __all__ = [
+    "BYPASS_MODE",
     "FUSED_BACKEND",
     "LOSS_MODES",
     "PLANS",
@@ -116,7 +121,7 @@ def _register() -> tuple[Mapping[str, ModePlan], Mapping[str, Callable]]:
         )
     make_config = _probe_config_factory(version)
     plans, functions = {}, {}
-    for mode in LOSS_MODES:
+    for mode in (*LOSS_MODES, BYPASS_MODE):
         plan = probe.plan_mode(mode, registry.get(mode.verl_name), make_config, version)
         functions[mode.name] = register(mode.name)(losses.make_policy_loss_fn(plan))
         plans[mode.name] = plan

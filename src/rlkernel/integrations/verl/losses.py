@@ -29,7 +29,9 @@ dict of Python floats. :func:`make_policy_loss_fn` builds such a function for on
 tokens.)
 
 A further verl mode is one more :class:`LossMode` row (its loss type, the settings it reads, verl's
-metrics of it); the registration probes it like the others (:mod:`.probe`).
+metrics of it); the registration probes it like the others (:mod:`.probe`). ``bypass_mode``, whose
+loss type, IS weights and rejection come from ``config.policy_loss.rollout_correction``, is the row
+:data:`.bypass.BYPASS_MODE`, which computes itself (``LossMode.run``).
 
 How the per-token loss becomes verl's scalar is a :class:`Convention`, chosen per ``loss_agg_mode`` by
 the probe at registration (verl's releases differ here):
@@ -54,6 +56,7 @@ Caveats:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Callable, Mapping
@@ -297,13 +300,17 @@ class LossMode:
         fields: verl actor config → the other :class:`PolicyLossConfig` fields (clip bounds, …).
         keys: each of those fields → the actor setting it comes from (for error messages).
         metrics: verl's metrics of this mode, from :class:`MetricInputs`.
+        run: for a mode that is not one :func:`policy_loss` call of a fixed loss type
+            (``bypass_mode``: :mod:`.bypass`), the whole ``(loss, metrics)`` computation, called as
+            :func:`compute` is; ``fields``, ``keys`` and ``metrics`` are then unused.
     """
 
     verl_name: str
     loss_type: str
-    fields: Callable[[Any], dict[str, Any]]
-    keys: Mapping[str, str]
-    metrics: Callable[[MetricInputs], dict[str, float]]
+    fields: Callable[[Any], dict[str, Any]] = _no_fields
+    keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    metrics: Callable[[MetricInputs], dict[str, float]] | None = None
+    run: Callable[..., tuple[torch.Tensor, dict[str, Any]]] | None = None
 
     @property
     def name(self) -> str:
@@ -429,6 +436,8 @@ def compute(
     Raises:
         TypeError, ValueError: a setting or ``global_batch_info`` entry rlkernel rejects.
     """
+    if mode.run is not None:
+        return mode.run(mode, convention, loss_agg_mode, config, batch)
     info = GlobalBatchInfo.of(config, batch.log_prob.device)
     norm = convention.normalizers(loss_agg_mode, info, batch.log_prob.shape[0])
     fields = tuple(sorted(mode.fields(config).items()))

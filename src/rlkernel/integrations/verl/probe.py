@@ -19,7 +19,9 @@ ratios on both sides of every clip) for each ``loss_agg_mode``, once with an emp
 ``RuntimeError`` naming it, what verl computed and what each convention gave. A mode whose verl
 function is missing, whose signature is not verl's ``PolicyLossFn`` of 0.9.1, or whose metrics
 (names and values) differ from rlkernel's reproduction of them is refused as a whole. The probe
-costs about 270 tiny loss evaluations at import (verl's and rlkernel's), no gradient (0.4 s on one CPU core).
+costs about 270 tiny loss evaluations at import (verl's and rlkernel's), no gradient (0.4 s on one CPU core);
+``bypass_mode`` (probed with verl's default ``rollout_correction``: ppo_clip, sequence IS weights for
+its metrics) about 22 more.
 
 Caveats:
     * The probe tells apart the conventions listed; it is not a proof of agreement. CI compares
