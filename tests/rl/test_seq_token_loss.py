@@ -146,7 +146,7 @@ def test_zero_global_normalizer_with_active_tokens_gives_nan(name):
     assert torch.isnan(terms.g_logp[active]).any() and (terms.g_logp[~active] == 0).all()
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k3+"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "k3+", "k3_unclamped"])
 @pytest.mark.parametrize("name", SEQ_TYPES)
 def test_kl_estimators(name, estimator):
     _check(config(name, kl_coef=0.2, kl_estimator=estimator), make_batch(4, 6, seed=3, dtype=F32))
@@ -157,6 +157,13 @@ def test_kl_estimators(name, estimator):
 def test_rollout_corrections(name, correction):
     cfg = config(name, rollout_correction=correction, rollout_clip_min=0.8, rollout_clip_max=1.2, kl_coef=0.1)
     _check(cfg, make_batch(4, 6, seed=4, dtype=F32))
+
+
+@pytest.mark.parametrize("correction", ["token_tis", "seq_mis"])
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_rollout_batch_normalize(name, correction):
+    cfg = config(name, rollout_correction=correction, rollout_clip_max=1.5, rollout_batch_normalize=True)
+    _check(cfg, make_batch(4, 6, seed=18, dtype=F32))
 
 
 @pytest.mark.parametrize("name", ["gspo", "gspo_token"])
