@@ -79,7 +79,8 @@ def log(message: str) -> None:
 
 
 def tokenizer():
-    """A byte-level BPE tokenizer of 300 tokens trained here; eos = pad = ``<|endoftext|>``."""
+    """A byte-level BPE tokenizer of 300 tokens trained here; eos = pad = ``<|endoftext|>`` (id 1:
+    transformers 5.17's ``sequence_bias`` rejects token id 0, so an unused ``<|reserved|>`` takes it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -87,7 +88,9 @@ def tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     bpe = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=300,
+        special_tokens=["<|reserved|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, bpe)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
