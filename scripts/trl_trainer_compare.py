@@ -307,7 +307,14 @@ def oracle(case: Case, batches: list) -> tuple[float, dict[str, torch.Tensor]]:
     """TRL's first optimizer step in float32 on the recorded batches: its loss and gradients."""
     from trl import GRPOTrainer
 
-    trainer = build_trainer(GRPOTrainer, case, f"{case.tmp}/oracle", "fp32")
+    return replay(GRPOTrainer, case, batches, "fp32")
+
+
+def replay(cls, case: Case, batches: list, precision: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """The first optimizer step of trainer ``cls`` in ``precision`` on the recorded batches (no
+    generation): its loss and gradients. On the GPU the two trainers' samplers need not draw the
+    same completions, so each trainer's gradients are compared on one batch: TRL's."""
+    trainer = build_trainer(cls, case, f"{case.tmp}/replay_{cls.__name__}_{precision}", precision)
     trainer._prepare_inputs = lambda inputs: inputs  # seam: the recorded batches, no generation
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     device = trainer.accelerator.device
@@ -400,6 +407,16 @@ def compare(case: Case) -> dict:
             rlkernel_loss_abs_diff=abs(losses["rlkernel"][0] - loss),
             trl_grads=distance(trl["first_grads"], ref), rlkernel_grads=distance(rk["first_grads"], ref),
         )  # fmt: skip
+    if not first_same or case.options.replay:  # rlkernel's step on TRL's batch: like-for-like numbers
+        log("  RLKernelGRPOTrainer's first step replayed on TRL's recorded batch")
+        rk_loss, rk_grads = replay(RLKernelGRPOTrainer, case, trl["first_batches"], case.precision)
+        result["replay"] = dict(
+            loss=rk_loss, loss_abs_diff_vs_trl=abs(rk_loss - losses["trl"][0]),
+            grads_vs_trl=distance(rk_grads, trl["first_grads"]),
+        )  # fmt: skip
+        if "oracle" in result:
+            result["replay"]["loss_abs_diff_vs_oracle"] = abs(rk_loss - result["oracle"]["loss"])
+            result["replay"]["grads_vs_oracle"] = distance(rk_grads, ref)
     return result
 
 
@@ -442,7 +459,16 @@ def table(results: list[dict], cuda: bool) -> str:
                 f"{'':15s} vs fp32 oracle: |Δloss| TRL {o['trl_loss_abs_diff']:.1e}, rlkernel "
                 f"{o['rlkernel_loss_abs_diff']:.1e}; ‖Δg‖/‖g‖ TRL {o['trl_grads']['rel_norm']:.1e}, "
                 f"rlkernel {o['rlkernel_grads']['rel_norm']:.1e}"
+                + ("" if r["same_first_batch"] else " (rlkernel on its own batch: see the next line)")
             )
+        if "replay" in r:
+            q = r["replay"]
+            line = (f"{'':15s} rlkernel on TRL's batch: |Δloss| vs TRL {q['loss_abs_diff_vs_trl']:.1e}, "
+                    f"‖Δg‖/‖g‖ vs TRL {q['grads_vs_trl']['rel_norm']:.1e}")  # fmt: skip
+            if "grads_vs_oracle" in q:
+                line += (f"; vs fp32 oracle |Δloss| {q['loss_abs_diff_vs_oracle']:.1e}, "
+                         f"‖Δg‖/‖g‖ {q['grads_vs_oracle']['rel_norm']:.1e}")  # fmt: skip
+            lines.append(line)
         p = r["params"]
         lines.append(
             f"{'':15s} same completions per generation {r['same_completions']}; ‖Δparam‖/‖moved‖ "
@@ -466,6 +492,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for key, value in SIZES["gpu"].items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), help="overrides the size's")
     parser.add_argument("--out", help="write the report as JSON here")
+    parser.add_argument(
+        "--replay", action="store_true", help="replay rlkernel's step on TRL's batch also when they agree"
+    )
     options = parser.parse_args(argv)
     if options.device == "cuda" and not cuda:
         parser.error("--device cuda: no CUDA device")

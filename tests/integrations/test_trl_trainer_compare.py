@@ -42,6 +42,7 @@ def report(script, tmp_path_factory):
     loss reads old log-probs), in float32 and under bf16 autocast."""
     out = tmp_path_factory.mktemp("trl_compare") / "report.json"
     argv = ["--device", "cpu", "--size", "tiny", "--precisions", "fp32,amp", "--settings", "off_policy"]
+    argv.append("--replay")
     returned = script.main([*argv, "--steps", "2", "--out", str(out)])
     written = json.loads(out.read_text())
     return returned, written
@@ -72,6 +73,20 @@ def test_autocast_oracle(report):
     assert oracle["rlkernel_grads"]["rel_norm"] <= 2 * oracle["trl_grads"]["rel_norm"]
     assert oracle["rlkernel_loss_abs_diff"] <= 1e-3 and oracle["trl_loss_abs_diff"] <= 1e-3
     assert r["grads"]["rel_norm"] <= 0.05
+
+
+def test_replay_on_trls_batch(report):
+    """--replay: rlkernel's first step on TRL's recorded batch (how the GPU run compares gradients
+    when the two samplers draw different completions): in float32 equal to TRL's own step; under
+    autocast as close to the fp32 oracle as TRL's."""
+    returned, _ = report
+    by_precision = {r["precision"]: r for r in returned["results"]}
+    fp32, amp = by_precision["fp32"]["replay"], by_precision["amp"]["replay"]
+    assert fp32["loss_abs_diff_vs_trl"] <= TOL and fp32["grads_vs_trl"]["rel_norm"] <= 1e-5
+    assert "grads_vs_oracle" not in fp32
+    oracle = by_precision["amp"]["oracle"]
+    assert amp["grads_vs_oracle"]["rel_norm"] <= 2 * oracle["trl_grads"]["rel_norm"]
+    assert amp["loss_abs_diff_vs_oracle"] <= 1e-3
 
 
 def test_json_report(report):
