@@ -251,7 +251,8 @@ class RLKernelGRPOTrainer(GRPOTrainer):
             # gspo's fractions are over the sequences with tokens; TRL's over all B rows (an empty row
             # is never clipped), hence the counts below.
             count = active.any(-1).sum().float() if loss_type == "gspo" else tokens
-            divisor = torch.tensor(float(active.shape[0])) if loss_type == "gspo" else tokens
+            # On the metrics' device: _global_mean stacks it with them (a CPU tensor fails on CUDA).
+            divisor = tokens.new_tensor(float(active.shape[0])) if loss_type == "gspo" else tokens
             low, high = metrics["clip_frac_low"] * count, metrics["clip_frac_high"] * count
             log["clip_ratio/low_mean"].append(self._global_mean(low, divisor))
             log["clip_ratio/high_mean"].append(self._global_mean(high, divisor))
