@@ -82,6 +82,25 @@ def _max_grad(a, b, da, db):
 
 
 @triton.jit
+def aggregation_weight(offs, active, seq, inputs, s, BRANCH: tl.constexpr):
+    """The aggregation weight w = factor / (norm_mult · max(denom, floor)) of the tokens at ``offs``
+    (0 where not ``active``); arguments as :func:`token_terms`'. Shared with the sequence-ratio
+    kernel (``kernels.seq_token_loss``)."""
+    den = s.norm_mult
+    if BRANCH.HAS_DENOM:
+        den = den * tl.maximum(tl.load(inputs.denom).to(tl.float32), s.denom_floor)
+    # A (global) denominator that is 0, negative or not finite: NaN at active tokens; inactive ones
+    # are stored as 0 by the callers, so an all-masked call gives 0 even with a normalizer of 0.
+    den = tl.where((den > 0) & (den < float("inf")), den, float("nan"))
+    if BRANCH.HAS_FACTOR:
+        f_idx = seq if BRANCH.FACTOR_PER_SEQ else offs
+        w = tl.load(inputs.factor + f_idx, mask=active, other=0.0).to(tl.float32) / den
+    else:
+        w = tl.where(active, 1.0 / den, 0.0)
+    return w
+
+
+@triton.jit
 def token_terms(offs, active, seq, x, h, inputs, s, BRANCH: tl.constexpr):
     """``(ℓ, g_logp, g_entropy)`` of the tokens at ``offs`` (a block, or one row's scalar index);
     the one definition of the token-level math, shared by the token-block kernel and the row kernel
@@ -176,18 +195,7 @@ def token_terms(offs, active, seq, x, h, inputs, s, BRANCH: tl.constexpr):
         pol = pol + s.kl_coef * kv
         g = g + s.kl_coef * kg
 
-    # Aggregation weight w = factor / (norm_mult · max(denom, floor)).
-    den = s.norm_mult
-    if BRANCH.HAS_DENOM:
-        den = den * tl.maximum(tl.load(inputs.denom).to(tl.float32), s.denom_floor)
-    # A (global) denominator that is 0, negative or not finite: NaN at active tokens; inactive ones
-    # are stored as 0 by the callers, so an all-masked call gives 0 even with a normalizer of 0.
-    den = tl.where((den > 0) & (den < float("inf")), den, float("nan"))
-    if BRANCH.HAS_FACTOR:
-        f_idx = seq if BRANCH.FACTOR_PER_SEQ else offs
-        w = tl.load(inputs.factor + f_idx, mask=active, other=0.0).to(tl.float32) / den
-    else:
-        w = tl.where(active, 1.0 / den, 0.0)
+    w = aggregation_weight(offs, active, seq, inputs, s, BRANCH)
     loss = w * pol
     g_logp = w * g
     g_entropy = -s.entropy_coef * w

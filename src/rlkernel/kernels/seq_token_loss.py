@@ -33,7 +33,7 @@ from rlkernel._token_loss_plan import TokenLossPlan
 from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import is_nonfinite, pairwise_sum
-from rlkernel.kernels._token_loss_math import NO_KL, token_terms
+from rlkernel.kernels._token_loss_math import NO_KL, aggregation_weight, token_terms
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -63,17 +63,9 @@ def _surrogate(s, a, clip_lo, clip_hi):
 
 @triton.jit
 def _weight(offs, active, seq, inputs, s, BRANCH: tl.constexpr):
-    """w_t·ρ_t of the policy-free plan (0 where not active): the aggregation weight factor_t / D
-    and the rollout weight, as ``token_terms`` computes them."""
-    den = s.norm_mult
-    if BRANCH.HAS_DENOM:
-        den = den * tl.maximum(tl.load(inputs.denom).to(tl.float32), s.denom_floor)
-    den = tl.where((den > 0) & (den < float("inf")), den, float("nan"))
-    if BRANCH.HAS_FACTOR:
-        f_idx = seq if BRANCH.FACTOR_PER_SEQ else offs
-        w = tl.load(inputs.factor + f_idx, mask=active, other=0.0).to(tl.float32) / den
-    else:
-        w = tl.where(active, 1.0 / den, 0.0)
+    """w_t·ρ_t of the policy-free plan (0 where not active): ``token_terms``' aggregation weight
+    times the rollout weight."""
+    w = aggregation_weight(offs, active, seq, inputs, s, BRANCH)
     if BRANCH.HAS_ROLLOUT:
         w = w * tl.load(inputs.rollout_w + offs, mask=active, other=0.0).to(tl.float32)
     return tl.where(active, w, 0.0)
