@@ -29,6 +29,7 @@ after. The head's math, tiles and kernels are TRL's own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import sys
@@ -111,8 +112,10 @@ def trl_head(device: torch.device) -> tuple[Any, str]:
     return fn, ""
 
 
+@functools.cache
 def real_trl_gather_importable() -> bool:
-    """Whether TRL's own ``trl.trainer.utils`` imports here (it needs ``datasets``)."""
+    """Whether TRL's own ``trl.trainer.utils`` imports here (it needs ``datasets``). Asked once per
+    process: a failing import would otherwise be retried inside every timed TRL call."""
     try:
         importlib.import_module(TRL_GATHER_MODULE)
     except ImportError:

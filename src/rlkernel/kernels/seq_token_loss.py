@@ -62,6 +62,29 @@ def _surrogate(s, a, clip_lo, clip_hi):
 
 
 @triton.jit
+def _block(start, remaining, i, ids_ptr, logp_ptr, old_ptr, adv_ptr, ignore_index, HAS_OLD: tl.constexpr,
+           ADV_SEQ: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The block of ``BLOCK`` tokens from flat index ``start`` (``remaining`` of them left in sequence
+    ``i``): ``(offs, inside, active, logp, lr, A)``, lr and A NaN where an input is not finite (so
+    that the sums carry it), lr = 0 on-policy (``HAS_OLD`` False), A the sequence's with ``ADV_SEQ``."""
+    lanes = tl.arange(0, BLOCK)
+    offs = start + lanes
+    inside = lanes < remaining
+    y = tl.load(ids_ptr + offs, mask=inside, other=ignore_index).to(tl.int64)
+    act = inside & (y != ignore_index)
+    x = tl.load(logp_ptr + offs, mask=act, other=0.0).to(tl.float32)
+    old = x
+    if HAS_OLD:
+        old = tl.load(old_ptr + offs, mask=act, other=0.0).to(tl.float32)
+    lr = _nan_if(is_nonfinite(x) | is_nonfinite(old), x - old)
+    if ADV_SEQ:
+        a = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(adv_ptr + i).to(tl.float32)
+    else:
+        a = tl.load(adv_ptr + offs, mask=act, other=0.0).to(tl.float32)
+    return offs, inside, act, x, lr, _nan_if(is_nonfinite(a), a)
+
+
+@triton.jit
 def _weight(offs, active, seq, inputs, s, BRANCH: tl.constexpr):
     """w_t·ρ_t of the policy-free plan (0 where not active): ``token_terms``' aggregation weight
     times the rollout weight."""
@@ -111,7 +134,6 @@ def _seq_token_loss_kernel(
     else:
         start = i * seq_len
         length = seq_len + 0 * i
-    lanes = tl.arange(0, BLOCK)
     seq = tl.zeros([BLOCK], dtype=tl.int64) + i
 
     # pass 1: the sequence's sums
@@ -120,21 +142,8 @@ def _seq_token_loss_kernel(
     sum_adv = tl.zeros([BLOCK], dtype=tl.float32)
     sum_w = tl.zeros([BLOCK], dtype=tl.float32)
     for j in range(0, length, BLOCK):
-        offs = start + j + lanes
-        inside = j + lanes < length
-        y = tl.load(ids_ptr + offs, mask=inside, other=ignore_index).to(tl.int64)
-        act = inside & (y != ignore_index)
-        x = tl.load(logp_ptr + offs, mask=act, other=0.0).to(tl.float32)
-        old = x
-        if HAS_OLD:
-            old = tl.load(old_ptr + offs, mask=act, other=0.0).to(tl.float32)
-        lr = x - old
-        lr = _nan_if(is_nonfinite(x) | is_nonfinite(old), lr)
-        if ADV_SEQ:
-            a = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(adv_ptr + i).to(tl.float32)
-        else:
-            a = tl.load(adv_ptr + offs, mask=act, other=0.0).to(tl.float32)
-        a = _nan_if(is_nonfinite(a), a)
+        offs, inside, act, x, lr, a = _block(start + j, length - j, i, ids_ptr, logp_ptr, old_ptr, adv_ptr,
+                                             ignore_index, HAS_OLD, ADV_SEQ, BLOCK)  # fmt: skip
         if KIND == GMPO:  # lr' = min(lr, ε_high) if A > 0, max(lr, −ε_low) if A < 0, 0 if A = 0
             capped = tl.where(a > 0, tl.minimum(lr, eps_high), tl.where(a < 0, tl.maximum(lr, -eps_low), 0.0))
             lr = _nan_if(lr != lr, capped)
@@ -176,24 +185,13 @@ def _seq_token_loss_kernel(
     # pass 2: per-token coefficients (and gspo_token's loss), the token-local terms, the stores
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in range(0, length, BLOCK):
-        offs = start + j + lanes
-        inside = j + lanes < length
-        y = tl.load(ids_ptr + offs, mask=inside, other=ignore_index).to(tl.int64)
-        act = inside & (y != ignore_index)
-        x = tl.load(logp_ptr + offs, mask=act, other=0.0).to(tl.float32)
+        # the block's values as pass 1 read them (loads a kind does not use are compiled away)
+        offs, inside, act, x, lr, a = _block(start + j, length - j, i, ids_ptr, logp_ptr, old_ptr, adv_ptr,
+                                             ignore_index, HAS_OLD, ADV_SEQ, BLOCK)  # fmt: skip
         if KIND == GSPO:
             g = tl.where(act, coef_seq, 0.0)
         else:
-            if ADV_SEQ:
-                a = tl.zeros([BLOCK], dtype=tl.float32) + a_seq
-            else:
-                a = tl.load(adv_ptr + offs, mask=act, other=0.0).to(tl.float32)
-                a = _nan_if(is_nonfinite(a), a)
-            if KIND == GMPO:
-                old = x
-                if HAS_OLD:
-                    old = tl.load(old_ptr + offs, mask=act, other=0.0).to(tl.float32)
-                lr = _nan_if(is_nonfinite(x) | is_nonfinite(old), x - old)  # as pass 1: no gradient
+            if KIND == GMPO:  # a non-finite lr (NaN) passes no gradient, as pass 1 made it
                 passes = ((a > 0) & (lr <= eps_high)) | ((a < 0) & (lr >= -eps_low))
                 g = tl.where(act & passes, coef_seq, 0.0)
             else:  # gspo_token: ℓ_t = max(−A_t·s_i, −A_t·clip(s_i)), slope s_i·dℓ/ds

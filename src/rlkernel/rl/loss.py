@@ -162,8 +162,9 @@ def _reads_rollout_logp(cfg: PolicyLossConfig) -> bool:
     )
 
 
-def _advantages(batch: LossBatch, mask: torch.Tensor, dtype: torch.dtype):
-    """(per-token ``[S, L]``, per-sequence ``[S]``) advantages, detached and sanitized."""
+def padded_advantages(batch: LossBatch, mask: torch.Tensor, dtype: torch.dtype):
+    """(per-token ``[S, L]``, per-sequence ``[S]``) advantages, detached and sanitized (±inf → NaN,
+    0 where ``mask`` is off); per-token advantages average into A_i over ``mask``."""
     adv, seg = batch.advantages.detach(), batch.segments
     if not batch.advantages_per_seq:
         tokens = masked(finite_or_nan(seg.to_padded(adv).to(dtype)), mask)
@@ -196,7 +197,7 @@ def _padded_batch(logp: torch.Tensor, entropy: torch.Tensor | None, batch: LossB
             old2, rollout2, given, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
         )
         active = rejected.keep
-    adv, adv_seq = _advantages(batch, active, dtype)
+    adv, adv_seq = padded_advantages(batch, active, dtype)
     return _Batch(
         segments=seg,
         mask=active,

@@ -48,8 +48,10 @@ from rlkernel.ops.seq_token_loss import seq_token_loss_triton
 from rlkernel.ops.token_loss import TokenLossTerms, token_loss
 from rlkernel.rl import objectives
 from rlkernel.rl import token_loss as token_plans
+from rlkernel.rl.aggregate import finite_or_nan
 from rlkernel.rl.batch import LossBatch
 from rlkernel.rl.config import PolicyLossConfig
+from rlkernel.rl.loss import padded_advantages
 
 SEQ_LOSS_TYPES: tuple[str, ...] = ("gspo", "gspo_token", "gmpo")
 
@@ -59,10 +61,6 @@ def is_eligible(cfg: PolicyLossConfig, *, on_policy: bool, has_rollout_weights: 
     if cfg.loss_type not in SEQ_LOSS_TYPES or not token_plans.token_local_rest(cfg, on_policy=on_policy):
         return False
     return not (cfg.loss_type == "gmpo" and (cfg.rollout_correction is not None or has_rollout_weights))
-
-
-def _nan_where_nonfinite(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, math.nan)
 
 
 def _surrogate(
@@ -101,33 +99,18 @@ def _aggregation_weights(plan, seg, act2: torch.Tensor) -> torch.Tensor:
     return torch.where(act2, weights, 0.0)
 
 
-def _advantages(batch: LossBatch, seg, act2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token ``[S, L]`` A_t, per-sequence ``[S]`` A_i), fp32, 0 where inactive; ±inf → NaN.
-    As ``policy_loss``: per-token advantages average into A_i over the active tokens."""
-    adv = _nan_where_nonfinite(batch.advantages.detach().to(torch.float32))
-    if batch.advantages_per_seq:
-        per_seq = torch.where(act2.any(-1), adv, 0.0)
-        return torch.where(act2, per_seq[:, None], 0.0), per_seq
-    tokens = torch.where(act2, seg.to_padded(adv).reshape(act2.shape), 0.0)
-    return tokens, tokens.sum(-1) / act2.sum(-1).clamp_min(1).to(torch.float32)
-
-
-def _flat_f32(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().reshape(-1).to(torch.float32).contiguous()
-
-
 def _terms_triton(batch: LossBatch, plan, logp: torch.Tensor, entropy) -> TokenLossTerms:
     """:func:`seq_terms` in one Triton launch (:mod:`rlkernel.kernels.seq_token_loss`)."""
     cfg, seg = batch.cfg, batch.segments
     cu = batch.cu_seqlens
     return seq_token_loss_triton(
         plan,
-        _flat_f32(logp),
-        _flat_f32(entropy) if plan.want_entropy else None,
+        token_plans.flat_f32(logp),
+        token_plans.flat_f32(entropy) if plan.want_entropy else None,
         kind=cfg.loss_type,
         geo_mean=objectives.seq_ratio_convention(cfg) == "geo_mean",
-        old=None if batch.old_logp is None else _flat_f32(batch.old_logp),
-        adv=_flat_f32(batch.advantages),
+        old=None if batch.old_logp is None else token_plans.flat_f32(batch.old_logp),
+        adv=token_plans.flat_f32(batch.advantages),
         adv_per_seq=batch.advantages_per_seq,
         cu_seqlens=None if cu is None else cu.to(device=logp.device, dtype=torch.int64),
         n_seqs=seg.n_seqs,
@@ -163,14 +146,14 @@ def seq_terms(
     ignore = token_plans.IGNORE_INDEX
     act2 = seg.to_padded(plan.ids != ignore, fill=False).reshape(shape)
     n_seq = act2.sum(-1).to(torch.float32)
-    flat_logp = logp.detach().reshape(-1).to(torch.float32)
+    flat_logp = token_plans.flat_f32(logp)
     logp2 = seg.to_padded(flat_logp).reshape(shape)
     if batch.old_logp is None:  # on-policy: lr = logp − sg[logp] = 0 in value
         lr = torch.zeros_like(logp2)
     else:
-        lr = logp2 - seg.to_padded(batch.old_logp.detach().reshape(-1).to(torch.float32)).reshape(shape)
-    lr = torch.where(act2, _nan_where_nonfinite(lr), 0.0)
-    adv_t, adv_i = _advantages(batch, seg, act2)
+        lr = logp2 - seg.to_padded(token_plans.flat_f32(batch.old_logp)).reshape(shape)
+    lr = torch.where(act2, finite_or_nan(lr), 0.0)
+    adv_t, adv_i = padded_advantages(batch, act2, torch.float32)
     weights = _aggregation_weights(plan, seg, act2)
     per_token_len = n_seq.clamp_min(1)[:, None]
 

@@ -94,7 +94,8 @@ def token_local_rest(cfg: PolicyLossConfig, *, on_policy: bool = False) -> bool:
     return not (on_policy and (cfg.rollout_correction is not None or cfg.rollout_rs is not None))
 
 
-def _flat_f32(x: torch.Tensor) -> torch.Tensor:
+def flat_f32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached, flat, fp32 and contiguous."""
     # No copy (and no launch) when already fp32 contiguous.
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
@@ -273,7 +274,7 @@ def plan_from_batch(
         adv_per_seq = not seg.is_packed
         adv_t = torch.zeros(seg.n_seqs if adv_per_seq else n, dtype=torch.float32, device=device)
     elif not batch.advantages_per_seq or adv_per_seq:
-        adv_t = _flat_f32(adv)
+        adv_t = flat_f32(adv)
     else:
         adv_t = _to_tokens(adv.to(torch.float32)[:, None], seg, inverse)
 
@@ -330,9 +331,9 @@ def plan_from_batch(
     )
     return TokenLossPlan(
         ids=flat_ids,
-        old=_flat_f32(old_logp) if old_logp is not None and policy_term else None,
+        old=flat_f32(old_logp) if old_logp is not None and policy_term else None,
         adv=adv_t,
-        ref=_flat_f32(ref_logp) if use_kl else None,
+        ref=flat_f32(ref_logp) if use_kl else None,
         rollout_w=rollout_w,
         factor=factor,
         denom=denom,
