@@ -53,6 +53,11 @@ class EngineSettings:
             ``ignore_index`` are staged and projected (:func:`_active_rows`: one host sync for
             their count); their results are scattered back (:func:`_scatter`), the others get
             logp = entropy = dhidden = 0.
+        whole_batch: one gradient group for every row when the weight needs a gradient
+            (:func:`whole_batch_fits`): dweight is then one GEMM over all rows (fp32 accumulation
+            inside it, one rounding), with no V·H fp32 accumulator and no final cast. None: when
+            it takes no more memory than the grouped loop (the default); False: never; True:
+            whenever there are rows (tests).
     """
 
     chunk_rows: int | None = None
@@ -66,6 +71,7 @@ class EngineSettings:
     matmul_table: str = DEFAULTS.matmul_table
     matmul_thresholds: MatmulThresholds = DEFAULTS.matmul_thresholds
     compact: bool = True
+    whole_batch: bool | None = None
 
     @classmethod
     def from_options(
@@ -79,6 +85,7 @@ class EngineSettings:
         grad_enabled: bool = True,
         invariant: bool = False,
         compact: bool = True,
+        whole_batch: bool | None = None,
     ) -> EngineSettings:
         """The settings of one call: explicit arguments, else the options (validated). With
         ``invariant`` a ``logits_dtype`` of None means ``"input"`` (the logits of a default
@@ -94,6 +101,8 @@ class EngineSettings:
             raise ValueError(f"logits_dtype must be 'fp32' or 'input', got {logits_dtype!r}")
         if dweight_accum not in ("fp32", "weight"):
             raise ValueError(f"dweight_accum must be 'fp32' or 'weight', got {dweight_accum!r}")
+        if whole_batch not in (None, True, False):
+            raise ValueError(f"whole_batch must be None, True or False, got {whole_batch!r}")
         for name, x in (("chunk_rows", chunk_rows), ("grad_rows", grad_rows)):
             if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {x!r}")
@@ -109,6 +118,7 @@ class EngineSettings:
             options.matmul_table,
             options.matmul_thresholds,
             bool(compact),
+            whole_batch,
         )
 
 
@@ -131,6 +141,19 @@ def grad_rows_for(vocab: int, grad_dtype: torch.dtype, grad_bytes: int = DEFAULT
     power of two whose ``[G, V]`` gradient fits ``grad_bytes`` (the option ``linear_grad_bytes``).
     Fewer, larger groups mean fewer read-modify-writes of the V·H dweight accumulator (one each)."""
     return _pow2_rows(grad_bytes, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+
+
+def whole_batch_fits(
+    rows: int, group_rows: int, hdim: int, grad_dtype: torch.dtype, accum_dtype: torch.dtype
+) -> bool:
+    """Whether one ``[rows, V]`` gradient group (``rows`` rounded up to whole chunks) plus the V·H
+    dweight it yields in the gradient's dtype take no more memory than the grouped loop: a
+    ``[group_rows, V]`` group plus the V·H accumulator in ``accum_dtype`` (whose storage the
+    grouped loop casts dweight into). At bf16 with the fp32 accumulator that is
+    ``rows <= group_rows + H`` (8192 at H = 4096 and the default 4096-row groups)."""
+    b, acc = grad_dtype.itemsize, accum_dtype.itemsize
+    return rows * b <= group_rows * b + hdim * (acc - b)
+
 
 _out_dtype_ok: dict[str, bool] = {}
 
@@ -173,7 +196,16 @@ class _Engine:
     """
 
     def __init__(
-        self, hidden, weight, bias, ids, temperature, ignore_index, settings: EngineSettings, row_index=None
+        self,
+        hidden,
+        weight,
+        bias,
+        ids,
+        temperature,
+        ignore_index,
+        settings: EngineSettings,
+        row_index=None,
+        need_dweight: bool = False,
     ):
         self.h, self.w = hidden, weight
         self.idx = row_index
@@ -199,6 +231,17 @@ class _Engine:
         self.c = settings.chunk_rows or chunk_rows_for(self.v, zdt, settings.chunk_bytes)
         cg = settings.grad_rows or grad_rows_for(self.v, dt, settings.grad_bytes)
         self.cg = max(self.c, cg // self.c * self.c)
+        # Whole batch: one group of every row (rounded up to whole chunks), when dweight is wanted.
+        m_all = -(-self.n // self.c) * self.c
+        acc_dt = torch.float32 if settings.dweight_accum == "fp32" else weight.dtype
+        self.whole = (
+            need_dweight
+            and self.n > 0
+            and settings.whole_batch is not False
+            and (settings.whole_batch or whole_batch_fits(m_all, self.cg, self.hdim, dt, acc_dt))
+        )
+        if self.whole:
+            self.cg = m_all
         self.hbuf = torch.empty(self.cg, self.hdim, dtype=dt, device=dev)
         self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)
         self.zbuf = None if zdt == dt else torch.empty(self.c, self.v, dtype=zdt, device=dev)
@@ -206,7 +249,9 @@ class _Engine:
         # The invariant GEMM adds the bias (in its own dtype) to the fp32 accumulator before the
         # one rounding, as the patched LM head does; cuBLAS chunks add it after, in zdt.
         self.bias, self.bias_z = bias, None if bias is None else bias.to(zdt)
-        self.active = self.ids != self.ii
+        self.dweight_accum = settings.dweight_accum
+        # Compacted, every staged row is active: nothing to zero (one kernel less per group).
+        self.inactive = None if row_index is not None else (self.ids == self.ii)[:, None]
         self.dw_started = False
 
     def groups(self):
@@ -223,7 +268,8 @@ class _Engine:
             hb[:n].copy_(self.h[rows])
         else:
             torch.index_select(self.h, 0, self.idx[rows], out=hb[:n])
-        hb[:n].masked_fill_(~self.active[rows, None], 0)
+        if self.inactive is not None:
+            hb[:n].masked_fill_(self.inactive[rows], 0)
         hb[n:m].zero_()
         self.idbuf[:n].copy_(self.ids[rows])
         self.idbuf[n:m].fill_(self.ii)
@@ -301,6 +347,65 @@ class _Engine:
                 torch.mm(g.t().float(), hb.float(), out=dw) if first else dw.addmm_(g.t().float(), hb.float())
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
+
+    def whole_buffers(self, m: int) -> WholeBatchGrad:
+        """The staged rows and their logits gradient after a whole-batch chunk loop (first m rows),
+        for :func:`whole_batch_grads` (now, or in the fused loss's backward)."""
+        return WholeBatchGrad(self.g[:m], self.hbuf[:m], self.idx, self.n)
+
+
+@dataclasses.dataclass
+class WholeBatchGrad:
+    """A whole-batch group: ``grad [m, V]`` (∂L/∂z of every staged row, zero rows for padding) and
+    ``hidden [m, H]`` (the staged rows), both in the input dtype; ``row_index`` (compaction) and
+    ``n`` (real rows) place the dhidden rows."""
+
+    grad: torch.Tensor
+    hidden: torch.Tensor
+    row_index: torch.Tensor | None
+    n: int
+
+
+def whole_batch_grads(
+    wb: WholeBatchGrad,
+    weight: torch.Tensor,
+    hidden_rows: int,
+    need_h: bool,
+    need_w: bool,
+    need_b: bool,
+    scale: torch.Tensor | None = None,
+):
+    """dhidden ``[hidden_rows, H]``, dweight ``[V, H]`` (weight dtype), fp32 dbias ``[V]`` of a
+    whole-batch group, each times the fp32 0-dim ``scale`` (None: 1), from two GEMMs.
+
+    dweight is one GEMM over every row (K = m): fp32 accumulation inside it and one rounding, no
+    V·H accumulator. ``scale`` (the fused loss's upstream gradient, on the device: no sync) is
+    applied to the ``[m, H]`` hidden rows before that GEMM (bf16: exact for powers of two, else one
+    rounding of each hidden value, as autograd through plain torch rounds the scaled logits
+    gradient), and to dhidden and dbias after theirs."""
+    # The real rows only: the pad rows' gradient is zero, and these GEMMs' shapes fix no logp bit.
+    g, hb = wb.grad[: wb.n], wb.hidden[: wb.n]
+    dh = dw = db = None
+    if need_h:
+        part = torch.mm(g, weight)
+        if wb.row_index is not None:  # scattered back to the rows' places (the others stay 0)
+            dh = torch.zeros(hidden_rows, part.shape[1], dtype=part.dtype, device=part.device)
+            dh.index_copy_(0, wb.row_index, part)
+        else:
+            dh = part
+        if scale is not None:
+            dh.mul_(scale)
+    if need_w:
+        hs = hb if scale is None else hb * scale
+        if g.device.type != "cuda" and g.dtype != torch.float32:  # CPU: fp32 math on upcast copies
+            dw = torch.mm(g.t().float(), hs.float()).to(weight.dtype)
+        else:
+            dw = torch.mm(g.t(), hs)
+    if need_b:
+        db = g.sum(0, dtype=torch.float32)
+        if scale is not None:
+            db = db * scale
+    return dh, dw, db
 
 
 def _padded(x, c, start, n):

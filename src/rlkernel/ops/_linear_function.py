@@ -29,6 +29,17 @@ and per group (M = G, resp. K = G):
                                    the first group writes it (beta = 0: no zero-fill, no read)
     db       += Σ_rows Gr          fp32 column sums (no atomics)
 
+Whole batch (``EngineSettings.whole_batch``; by default when ``_linear_engine.whole_batch_fits``:
+at bf16 with the fp32 accumulator, at most G + H rows after compaction). When the weight needs a
+gradient, every row goes into one group: dweight is ONE GEMM over all rows (K = N: fp32
+accumulation inside it, one rounding), so there is no V·H fp32 accumulator, no read-modify-write
+of it per group and no final cast — and the memory is never more than the grouped loop's
+(``N·V·2 + V·H·2 ≤ G·V·2 + V·H·4``). The primitive runs the two GEMMs at the end of its backward;
+the fused loss keeps the bf16 gradient rows (and the staged hidden rows) from its forward to its
+backward, which runs them with the upstream scalar ``g`` known: ``g`` scales the ``[N, H]`` hidden
+rows before the dweight GEMM and dhidden/dbias after theirs (``_linear_engine.whole_batch_grads``).
+Both GEMMs take the real rows only (the chunks' pad rows have zero gradient).
+
 Why two levels. The logits chunk C bounds the fp32 logits buffer and fixes the bits of every row
 (see the chunk rule). The group G sets how often the V·H dweight accumulator is read and written
 back: once per group, V·H·8 bytes in fp32 (5 GB at V = 151,936, H = 4096: ~1.5 ms at 3.3 TB/s
@@ -95,10 +106,14 @@ holds for a frozen weight, or with ``dweight_accum="weight"`` and smaller C/G; i
 an fp32 V·H accumulator. The fp32-accumulated dweight returned is a view of the first half of the
 accumulator's storage (the other half is dead but stays allocated as long as the gradient lives).
 
+Whole batch: the gradient rows N·V·2 (1.87 GB at 6,144 rows) instead of the accumulator, plus the
+V·H dweight output in the weight's dtype; the fp32 chunk logits exist during the forward loop only.
+
 Upstream scale of the fused loss. The forward computes gradients for upstream gradient 1; backward
-multiplies by the upstream scalar ``g`` without a host sync. For fp32-accumulated dweight the
-multiply is folded into the final fp32 → weight-dtype cast (``torch.mul(acc, g, out=bf16)``: one
-pass that runs anyway); dhidden (N·H) and dbias are multiplied in place (``g == 1`` is exact).
+multiplies by the upstream scalar ``g`` without a host sync (whole batch: see above). For
+fp32-accumulated dweight the multiply is folded into the final fp32 → weight-dtype cast
+(``torch.mul(acc, g, out=bf16)``: one pass that runs anyway); dhidden (N·H) and dbias are
+multiplied in place (``g == 1`` is exact).
 
 Caveats:
     * fp64 inputs have no kernel (the public op sends them to the reference).
@@ -113,11 +128,11 @@ Caveats:
       elementwise in the rows it is given (token-level losses), which are a ``slice`` or, with
       padding compaction, an index tensor. Sequence-level losses (GSPO, GMPO) use the primitive
       (4 GEMMs).
-    * The fused loss hands its forward-computed gradients to the last backward (scaled in place);
-      a backward that retains the graph (``retain_graph=True``) gets scaled copies instead, so a
-      second backward accumulates the same gradients again. Telling the two apart needs torch >= 2.5
-      (see ``rlkernel.ops._autograd.graph_retained``); on older torch a second backward
-      raises a RuntimeError saying how to avoid it.
+    * The fused loss (grouped loop) hands its forward-computed gradients to the last backward
+      (scaled in place); a backward that retains the graph (``retain_graph=True``) gets scaled
+      copies instead, so a second backward accumulates the same gradients again. Telling the two
+      apart needs torch >= 2.5 (see ``rlkernel.ops._autograd.graph_retained``); on older torch a
+      second backward raises a RuntimeError saying how to avoid it.
 """
 
 from __future__ import annotations
@@ -136,6 +151,7 @@ from rlkernel.ops._linear_engine import (
     _Engine,
     _padded,
     _scatter,
+    whole_batch_grads,
 )
 
 # Rows of dweight cast per slab at the end of the fp32 accumulation (bounds the cast's temporary).
@@ -168,6 +184,16 @@ def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.T
         else:
             out[rows].copy_(src)
     return out
+
+
+def _grad_buffers(eng: _Engine, bias, need_h, need_w, need_b):
+    """The grouped loop's dhidden, dweight accumulator and fp32 dbias (None where not needed).
+    Compacted: the ignored rows are never projected, their dhidden rows stay exactly 0."""
+    h = eng.h
+    dh = (torch.zeros_like(h) if eng.idx is not None else torch.empty_like(h)) if need_h else None
+    dw = _dweight_buffer(eng.w, eng.dweight_accum) if need_w else None
+    db = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if need_b else None
+    return dh, dw, db
 
 
 def _finish_dweight(dw, dtype, scale):
@@ -222,16 +248,16 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
             return none
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings, idx)
+        eng = _Engine(
+            hidden, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w
+        )
         gl = None if g_logp is None else g_logp.reshape(-1).to(torch.float32)
         ge = None if g_ent is None else g_ent.reshape(-1).to(torch.float32)
         if idx is not None:  # the active rows' upstream gradients, in the engine's order
             gl = None if gl is None else gl.index_select(0, idx)
             ge = None if ge is None else ge.index_select(0, idx)
-        # Compacted: the ignored rows are never projected, their dhidden rows stay exactly 0.
-        dh = (torch.zeros_like(hidden) if idx is not None else torch.empty_like(hidden)) if need_h else None
-        dw = _dweight_buffer(weight, settings.dweight_accum) if need_w else None
-        db = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        # The grouped loop accumulates into these; a whole batch makes them at the end.
+        dh, dw, db = (None,) * 3 if eng.whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
         c = eng.c
         for rows in eng.groups():
             n, m = eng.stage(rows)
@@ -247,8 +273,13 @@ class _LinearLogprobsFunction(torch.autograd.Function):
                     _padded(gl, c, start, cnt),
                     _padded(ge, c, start, cnt),
                 )
-            eng.group_grads(rows, n, m, dh, dw, db)
-        if dw is not None and not eng.dw_started:
+            if eng.whole:
+                dh, dw, db = whole_batch_grads(
+                    eng.whole_buffers(m), weight, hidden.shape[0], need_h, need_w, need_b
+                )
+            else:
+                eng.group_grads(rows, n, m, dh, dw, db)
+        if dw is not None and not eng.whole and not eng.dw_started:
             dw.zero_()
         del eng
         dw = _finish_dweight(dw, weight.dtype, None)
@@ -257,7 +288,14 @@ class _LinearLogprobsFunction(torch.autograd.Function):
 
 
 def _settings(
-    chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, grad_enabled=True, compact=True
+    chunk_rows,
+    grad_rows,
+    logits_dtype,
+    dweight_accum,
+    invariant_logits,
+    grad_enabled=True,
+    compact=True,
+    whole_batch=None,
 ):
     """The call's :class:`EngineSettings` (options read once, here). ``invariant_logits``, the
     dtype of the patched LM head's logits, decides the chunk logits' dtype: fp32 or the input's."""
@@ -272,6 +310,7 @@ def _settings(
         grad_enabled=grad_enabled,
         invariant=invariant_logits is not None,
         compact=compact,
+        whole_batch=whole_batch,
     )
 
 
@@ -295,6 +334,7 @@ def linear_token_logprobs_triton(
     dweight_accum: DweightAccum | None = None,
     invariant_logits: torch.dtype | None = None,
     compact: bool = True,
+    whole_batch: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``rlkernel.linear_token_logprobs`` through the chunk engine (inputs already validated).
 
@@ -320,6 +360,10 @@ def linear_token_logprobs_triton(
             bitwise with ``invariant_logits`` (a row-invariant GEMM), and with cuBLAS as far as a
             row's bits do not depend on its row position inside the fixed-shape chunk GEMM
             (tests/gpu/test_linear_invariant.py checks it at real size).
+        whole_batch: the backward's rows in one gradient group when the weight needs a gradient
+            (dweight from one GEMM, no V·H fp32 accumulator, no final cast): None when it takes
+            no more memory than the grouped loop (``_linear_engine.whole_batch_fits``), False
+            never, True always (tests). Changes no logp bit; dweight's sums run in another order.
 
     The options in force (``rlkernel.use_options``) are read once, here.
 
@@ -327,7 +371,13 @@ def linear_token_logprobs_triton(
         fp32 ``logp [...]``, or ``(logp, entropy)``.
     """
     settings = _settings(
-        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, compact=compact
+        chunk_rows,
+        grad_rows,
+        logits_dtype,
+        dweight_accum,
+        invariant_logits,
+        compact=compact,
+        whole_batch=whole_batch,
     )
     if hidden.dtype == torch.float64:  # no fp64 kernel (fp32 statistics): the reference, in double
         from rlkernel.reference import logprobs as ref
@@ -359,21 +409,21 @@ class _FusedLinearLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, settings):
         idx = _active_rows(ids, ignore_index) if settings.compact else None
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings, idx)
-        dev = hidden.device
         # Gradients only where autograd will ask for them (none under torch.no_grad(): 1 GEMM).
         grad_on = settings.grad_enabled
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
+        eng = _Engine(
+            hidden, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w
+        )
+        dev = hidden.device
         # Per-row results in the engine's row order (the active rows only, when compacted).
         logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
         entropy = torch.empty(eng.n, dtype=torch.float32, device=dev) if with_entropy else None
         loss = torch.zeros((), dtype=torch.float32, device=dev)
-        # Compacted: the ignored rows are never projected, their dhidden rows stay exactly 0.
-        dh = (torch.zeros_like(hidden) if idx is not None else torch.empty_like(hidden)) if need_h else None
-        dw = _dweight_buffer(weight, settings.dweight_accum) if need_w else None
-        db = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if need_b else None
+        ctx.whole = None  # whole batch: the gradient rows, kept for the backward's two GEMMs
+        dh, dw, db = (None,) * 3 if eng.whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
         c = eng.c
         for rows in eng.groups():
             n, m = eng.stage(rows)
@@ -393,11 +443,16 @@ class _FusedLinearLossFunction(torch.autograd.Function):
                     g_logp = _padded(None if g_logp is None else g_logp.detach(), c, 0, cnt)
                     g_ent = _padded(None if g_ent is None or en is None else g_ent.detach(), c, 0, cnt)
                     eng.chunk_grad(sl, z, ls, en, g_logp, g_ent)
-            if any_grad:
+            if any_grad and eng.whole:
+                ctx.whole = eng.whole_buffers(m)
+            elif any_grad:
                 eng.group_grads(rows, n, m, dh, dw, db)
         if dw is not None and not eng.dw_started:
             dw.zero_()
         del eng
+        if ctx.whole is not None:
+            ctx.save_for_backward(weight)
+            ctx.needs = (need_h, need_w, need_b, hidden.shape[0])
         ctx.grads = (dh, dw, db)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
@@ -410,6 +465,8 @@ class _FusedLinearLossFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, g_loss, *_):
+        if ctx.whole is not None:
+            return _FusedLinearLossFunction._whole_backward(ctx, g_loss)
         if ctx.grads is None:
             raise autograd_state.second_backward_error(
                 "the first backward handed out the gradients computed in the forward (the fused "
@@ -439,6 +496,25 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None, None
 
 
+    @staticmethod
+    def _whole_backward(ctx, g_loss):
+        """Whole batch: dhidden, dweight and dbias from the kept gradient rows, two GEMMs scaled by
+        the upstream gradient. Nothing kept is modified, so a retained graph's second backward
+        computes the same gradients again; otherwise the rows are released here."""
+        wb = ctx.whole
+        if not autograd_state.graph_retained():
+            ctx.whole = None
+        if g_loss is None:
+            return (None,) * 9
+        (weight,) = ctx.saved_tensors
+        need_h, need_w, need_b, n_rows = ctx.needs
+        dh, dw, db = whole_batch_grads(
+            wb, weight, n_rows, need_h, need_w, need_b, scale=g_loss.to(torch.float32)
+        )
+        db = None if db is None else db.to(ctx.dtypes[1])
+        return dh, dw, db, None, None, None, None, None, None
+
+
 def fused_linear_token_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -455,6 +531,7 @@ def fused_linear_token_loss(
     dweight_accum: DweightAccum | None = None,
     invariant_logits: torch.dtype | None = None,
     compact: bool = True,
+    whole_batch: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """A token-level loss from hidden states with its gradient computed in the forward pass.
 
@@ -486,6 +563,9 @@ def fused_linear_token_loss(
             neither staged, projected nor given gradient work, and ``coef_fn`` gets index tensors;
             the loss and gradients change only by the order of their sums over rows. ``False``
             (tests): every row is projected, ``coef_fn`` gets slices.
+        whole_batch: as in :func:`linear_token_logprobs_triton`; here the whole-batch gradient
+            rows are kept from the forward to the backward, which runs the dhidden and dweight
+            GEMMs with the upstream gradient known (module docstring).
 
     Raises:
         TypeError: fp64 (or non-float) inputs, or weight/hidden dtypes that differ.
@@ -497,7 +577,14 @@ def fused_linear_token_loss(
             f"{hidden.dtype} and weight {weight.dtype} (fp64 has no kernel: use the reference path)"
         )
     settings = _settings(
-        chunk_rows, grad_rows, logits_dtype, dweight_accum, invariant_logits, torch.is_grad_enabled(), compact
+        chunk_rows,
+        grad_rows,
+        logits_dtype,
+        dweight_accum,
+        invariant_logits,
+        torch.is_grad_enabled(),
+        compact,
+        whole_batch,
     )
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)
