@@ -177,17 +177,26 @@ def test_out_of_vocab_id_gives_nan_logp():
     assert torch.isfinite(logp[[0, 1, 3]]).all() and torch.isfinite(lse).all()
 
 
-@pytest.mark.parametrize(
-    "z_dtype,split", [(torch.float32, 2), (torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 2)]
-)
+# (dtype of z, the config's store_bytes, tma_store): a 16x32 tile is 2 KB in fp32, 1 KB in bf16.
+STORES = [
+    (torch.float32, 1024, True),  # two column slices
+    (torch.float32, 512, True),  # four
+    (torch.bfloat16, 1024, True),  # one piece
+    (torch.bfloat16, 512, True),  # two
+    (torch.float32, 2048, False),  # pointer store although TMA could
+]
+
+
+@pytest.mark.parametrize("store", STORES, ids=lambda s: f"{s[0]}-{s[1]}-{'tma' if s[2] else 'ptr'}")
 @pytest.mark.parametrize("vocab", [100, 104])
-def test_store_z(z_dtype, split, vocab):
-    """STORE_Z writes the raw logits x (not x / T) rounded once from fp32: TMA stores in ``split``
+def test_store_z(store, vocab):
+    """STORE_Z writes the raw logits x (not x / T) rounded once from fp32: TMA stores in 1, 2 or 4
     column slices where the row pitch is 16-byte aligned (fp32; bf16 at V = 104), pointer stores
     otherwise (bf16 at V = 100); the statistics do not change by a bit."""
+    z_dtype, store_bytes, tma_store = store
     lh = kernels()
     h, w, ids = make(21, 16, vocab)
-    cfg = small(store_split=split)
+    cfg = small(store_bytes=store_bytes, tma_store=tma_store)
     z = torch.full((21, vocab), float("nan"), dtype=z_dtype, device=DEVICE)
     with_z = lh.linear_head_stats(h, w, ids, temperature=0.7, with_entropy=True, store_z=z, config=cfg)
     without = lh.linear_head_stats(h, w, ids, temperature=0.7, with_entropy=True, config=cfg)
@@ -198,6 +207,40 @@ def test_store_z(z_dtype, split, vocab):
         assert_close(z, x, (1e-6, 1e-6))
     else:
         assert_close(z, x, TOLERANCES[torch.bfloat16])
+
+
+def test_partials_per_column_tile():
+    """``stats_partials``' planes are, per column tile and row, max z, Σ exp(z − max) and
+    Σ (z − max)·exp(z − max) over the tile's columns < V (the last tile is 4 of 32 wide), and
+    ``combine_partials`` of them is ``linear_head_stats``."""
+    lh = kernels()
+    m, vocab, t = 9, 100, 0.7
+    h, w, ids = make(m, 16, vocab, torch.float32, seed=11)
+    cfg = small()
+    parts, z_y = lh.stats_partials(h, w, ids, temperature=t, with_entropy=True, config=cfg)
+    assert parts.shape == (3, 4, m) and parts.dtype == torch.float32
+    z = (h.double() @ w.double().T) / t
+    for tile in range(4):
+        zt = z[:, tile * 32 : (tile + 1) * 32]
+        mx = zt.max(-1).values
+        e = torch.exp(zt - mx[:, None])
+        expected = torch.stack([mx, e.sum(-1), ((zt - mx[:, None]) * e).sum(-1)])
+        assert_close(parts[:, tile], expected, TOLERANCES["fwd"])
+    active = ids != IGNORE
+    assert_close(z_y[active], z[active, ids[active]], TOLERANCES["fwd"])
+    combined = lh.combine_partials(parts, z_y, ids, vocab_size=vocab, ignore_index=IGNORE, config=cfg)
+    direct = lh.linear_head_stats(h, w, ids, temperature=t, with_entropy=True, config=cfg)
+    for a, b in zip(combined, direct, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_zero_rows():
+    lh = kernels()
+    h, w, ids = make(4, 16, 100)
+    logp, lse, entropy = lh.linear_head_stats(h[:0], w, ids[:0], with_entropy=True, config=small())
+    assert logp.shape == lse.shape == entropy.shape == (0,)
+    grad = torch.empty(0, 100, dtype=torch.bfloat16, device=DEVICE)
+    lh.linear_head_grad_into(h[:0], w, ids[:0], lse, entropy, lse, lse, grad, config=small())
 
 
 # ------------------------------------------------------------------------------------ gradient
@@ -325,6 +368,15 @@ def test_bad_inputs_raise():
         (TypeError, "grad_out", lambda: grad_into(grad_out=grad.to(torch.int16))),
         (ValueError, "grad_out must be contiguous", lambda: grad_into(grad_out=torch.empty(100, 4).t())),
     ]
+    parts, z_y = lh.stats_partials(h, w, ids, config=small())
+    combine = lh.combine_partials
+    cases += [
+        (ValueError, "parts must be fp32", lambda: combine(parts[:1], z_y, ids, vocab_size=100)),
+        (ValueError, "parts must be contiguous", lambda: combine(parts.mT, z_y, ids, vocab_size=100)),
+        (ValueError, "z_y", lambda: combine(parts, z_y[:2], ids, vocab_size=100)),
+        (TypeError, "ids", lambda: combine(parts, z_y, z_y, vocab_size=100)),
+        (ValueError, "vocab_size", lambda: combine(parts, z_y, ids, vocab_size=0)),
+    ]
     for error, words, call in cases:
         with pytest.raises(error, match=words):
             call()
@@ -334,8 +386,10 @@ def test_config_validation():
     lh = kernels()
     with pytest.raises(ValueError, match="block_n"):
         lh.LinearHeadConfig(block_n=96)
-    with pytest.raises(ValueError, match="store_split"):
-        lh.LinearHeadConfig(store_split=3)
+    with pytest.raises(ValueError, match="store_bytes"):
+        lh.LinearHeadConfig(store_bytes=3000)
+    # The default stages a 128x256 bf16 gradient tile in one piece, an fp32 logits tile in halves.
+    assert [lh.LinearHeadConfig().store_split(size) for size in (2, 4)] == [1, 2]
     with pytest.raises(ValueError, match=">= 16"):
         lh.LinearHeadConfig(block_k=8)
     # The default depends on the dtype alone (never on M): one config per dtype.

@@ -35,9 +35,14 @@ zero-filled) with a different epilogue on the fp32 accumulator ``acc``:
       ``dx = [y == k]·g_logp/T − p·(a_r + b_r·lp2)`` with per-row ``a_r = (g_logp + g_H·H)/T``,
       ``b_r = g_H·ln 2/T``: two FMAs, one MUFU, one FMA and a select per element; written in the
       output's dtype. The forward's sums are not needed: no partials, no combine.
-    Outputs of 16-byte aligned row pitch are stored by TMA in ``store_split`` column slices of the
-    tile (``[BLOCK_M, BLOCK_N / store_split]``: the shared-memory staging of a 128×256 fp32 tile,
-    128 KB, does not fit beside three 48 KB pipeline stages); others by a masked pointer store.
+    Stores. An output of 16-byte aligned row pitch goes out by TMA (``tma_store``) from one
+    shared-memory staging buffer of at most ``store_bytes``, in 1, 2 or 4 column slices of the tile:
+    a 128×256 fp32 tile (128 KB) does not fit beside three 48 KB pipeline stages, so it leaves in
+    two 64 KB halves. Triton reuses one buffer for the slices and waits for each slice's copy before
+    the next one overwrites it, so only the last slice drains behind the next tile's mainloop (a
+    bf16 tile in one piece drains entirely behind it). Other outputs, or ``tma_store=False``: a
+    masked pointer store from registers (its layout-conversion scratch is dead shared memory of the
+    mainloop, so it costs no persistent staging buffer).
 
 Batch invariance (a row's bits do not depend on M, on the other rows or on its position in the
 tile). The accumulator of one element is ``matmul.py``'s (one ``dot`` per BLOCK_K in increasing k,
@@ -104,7 +109,8 @@ class LinearHeadConfig:
     """Launch configuration of both GEMM kernels (and the combine's rows per program). A row's bits
     depend on ``block_n`` (the partials' tiling) and ``block_k``/the MMA kind (the GEMM's order);
     never on M. ``flatten``/``warp_specialize``: ``tl.range`` options of the persistent tile loop.
-    ``store_split``: the stored output tile goes out as this many column slices (1, 2 or 4)."""
+    ``tma_store``/``store_bytes``: how an output tile (``store_z``, the gradient) is stored (see the
+    module docstring); ``combine_rows``: rows per program of the combine kernel."""
 
     block_m: int = 128
     block_n: int = 256
@@ -114,19 +120,22 @@ class LinearHeadConfig:
     num_stages: int = 3
     flatten: bool = False
     warp_specialize: bool = False
-    store_split: int = 2
+    tma_store: bool = True
+    store_bytes: int = 65536
     combine_rows: int = 128
     name: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("block_m", "block_n", "block_k", "group_m", "num_warps", "combine_rows"):
+        for field in ("block_m", "block_n", "block_k", "group_m", "num_warps", "combine_rows", "store_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"config.{field} must be a power of two, got {value!r}")
         if self.block_k < 16 or self.block_m < 16 or self.block_n < 16:
             raise ValueError(f"config blocks must be >= 16 (tl.dot), got {self}")
-        if self.store_split not in (1, 2, 4):
-            raise ValueError(f"config.store_split must be 1, 2 or 4, got {self.store_split!r}")
+
+    def store_split(self, itemsize: int) -> int:
+        """Column slices (1, 2 or 4) of a TMA-stored output tile with ``itemsize``-byte elements."""
+        return min(4, max(1, self.block_m * self.block_n * itemsize // self.store_bytes))
 
 
 # The matmul table's M = 8192 vocab cell (``prefill_tma_ws``: 128x256x64, GROUP_M 8, 8 warps, 3
@@ -204,7 +213,7 @@ def _target_in_tile(y, off_n, V, BLOCK_N: tl.constexpr):
     return tl.where(hit, y - off_n, -1).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["M", "num_programs", "ignore_index"])
+@triton.jit(do_not_specialize=["M", "num_programs"])
 def _linear_head_stats_kernel(
     # outputs
     m_part_ptr,
@@ -222,9 +231,8 @@ def _linear_head_stats_kernel(
     V,
     K,
     num_programs,
-    # runtime scalars
+    # runtime scalar
     temperature,
-    ignore_index,
     # meta
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -267,8 +275,14 @@ def _linear_head_stats_kernel(
             _store_tile(z_out, stride_zm, acc, off_m, off_n, M, V, Z_TMA, STORE_SPLIT)
 
         # Columns ≥ V hold zeros (zero-filled W rows): −inf, so they add exp(−inf) = 0. Every tile
-        # has a column < V, so the row max is finite (for finite operands).
+        # has a column < V, so the row max is finite (for finite operands). x replaces acc (acc is
+        # dead from here: one [BLOCK_M, BLOCK_N] fp32 tile of registers stays live, not two).
         x = tl.where((off_n + cols < V)[None, :], acc, float("-inf"))
+        # ~1 - (1 - 1/n_t)^BLOCK_M of the tiles hold some row's target (V = 151,936, 128x256: ~19%):
+        # only they pay for the select. Done before the exponentials, which are x's last use.
+        if tl.max(y_local, axis=0) >= 0:
+            x_y = tl.sum(tl.where(cols[None, :] == y_local[:, None], x, 0.0), axis=1)
+            tl.store(zy_ptr + rows, x_y * inv_t, mask=mask_m & (y_local >= 0))
         m_x = tl.max(x, axis=1)
         # d = (z − m)·log2 e ≤ 0 in one FMA (T > 0: the max of x is the max of z).
         d = x * c - (m_x * c)[:, None]
@@ -280,11 +294,6 @@ def _linear_head_stats_kernel(
             # −inf·0 = NaN on masked columns: their term is exactly 0.
             w2 = tl.sum(tl.where(e > 0.0, d * e, 0.0), axis=1)
             tl.store(w_part_ptr + part, w2 * LN2, mask=mask_m)
-        # ~1 - (1 - 1/n_t)^BLOCK_M of the tiles hold some row's target (V = 151,936, 128x256: ~19%):
-        # only they pay for the select.
-        if tl.max(y_local, axis=0) >= 0:
-            x_y = tl.sum(tl.where(cols[None, :] == y_local[:, None], acc, 0.0), axis=1)
-            tl.store(zy_ptr + rows, x_y * inv_t, mask=mask_m & (y_local >= 0))
 
 
 @triton.jit(do_not_specialize=["M", "n_tiles", "ignore_index"])
@@ -477,12 +486,13 @@ def _check_output(name: str, t: object, h: torch.Tensor, n_cols: int) -> torch.T
     return t
 
 
-def _row_vector(name: str, t: object, h: torch.Tensor) -> torch.Tensor:
+def _row_vector(name: str, t: object, rows: int, device: torch.device) -> torch.Tensor:
+    """An fp32 ``[rows]`` tensor on ``device`` (made contiguous)."""
     t = v.float_tensor(name, t)
     if t.dtype != torch.float32:
         raise TypeError(f"{name} must be fp32, got {v.describe(t)}")
-    v.same_shape(name, t, "h's rows", (h.shape[0],))
-    v.same_device(name, t, "h", h.device)
+    v.same_shape(name, t, "one value per row", (rows,))
+    v.same_device(name, t, "the operands", device)
     return t.contiguous()
 
 
@@ -492,16 +502,20 @@ def _scalars(temperature: object, ignore_index: object) -> tuple[float, int]:
 
 
 def _descriptors(h, w, out, cfg: LinearHeadConfig):
-    """TMA descriptors of the operands, and of ``out`` if TMA can store it (else ``out`` itself)."""
+    """TMA descriptors of the operands; for ``out``: ``(descriptor, True, split)`` if TMA stores it,
+    else ``(out, False, 1)`` (a pointer store; ``out`` may be None)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     h_desc = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    box_n = cfg.block_n // cfg.store_split
+    if out is None:
+        return h_desc, w_desc, None, False, 1
+    split = cfg.store_split(out.element_size())
+    box_n = cfg.block_n // split
     # A TMA box row must be >= 16 bytes; the tensor's row pitch 16-byte aligned.
-    out_tma = out is not None and _aligned(out) and box_n * out.element_size() >= 16
-    out_arg = TensorDescriptor.from_tensor(out, [cfg.block_m, box_n]) if out_tma else out
-    return h_desc, w_desc, out_arg, out_tma
+    if cfg.tma_store and _aligned(out) and box_n * out.element_size() >= 16:
+        return h_desc, w_desc, TensorDescriptor.from_tensor(out, [cfg.block_m, box_n]), True, split
+    return h_desc, w_desc, out, False, 1
 
 
 def _gemm_meta(h: torch.Tensor, cfg: LinearHeadConfig) -> dict[str, object]:
@@ -526,6 +540,88 @@ def _programs(h: torch.Tensor, m: int, n: int, cfg: LinearHeadConfig) -> int:
     return min(num_sms(h.device, interpreter=4), tiles)
 
 
+def stats_partials(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    store_z: torch.Tensor | None = None,
+    config: LinearHeadConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The STATS GEMM alone (arguments as in :func:`linear_head_stats`): ``(parts, z_y)``.
+
+    ``parts``: fp32 ``[2 or 3, n_t, M]``, n_t = ceil(V / block_n): per column tile and row the max
+    of z, Σ exp(z − max) and (with the entropy) Σ (z − max)·exp(z − max). ``z_y``: fp32 ``[M]``,
+    the target's z (undefined where the id is outside [0, V)). :func:`combine_partials` reduces them.
+    """
+    cfg = _check_operands(h, w, ids, config)
+    temperature, _ = _scalars(temperature, 0)
+    with_entropy = v.boolean("with_entropy", with_entropy)
+    m, k = h.shape
+    n = w.shape[0]
+    if store_z is not None:
+        store_z = _check_output("store_z", store_z, h, n)
+    n_tiles = _cdiv(n, cfg.block_n)
+    parts = torch.empty((3 if with_entropy else 2, n_tiles, m), dtype=torch.float32, device=h.device)
+    z_y = torch.empty(m, dtype=torch.float32, device=h.device)
+    if m == 0:
+        return parts, z_y
+    h_desc, w_desc, z_arg, z_tma, split = _descriptors(h, w, store_z, cfg)
+    programs = _programs(h, m, n, cfg)
+    with _device_guard(h):
+        _linear_head_stats_kernel[(programs,)](
+            parts[0], parts[1], parts[-1], z_y, z_arg if store_z is not None else z_y, n,
+            h_desc, w_desc, ids.contiguous(), m, n, k, programs, temperature,
+            WITH_ENTROPY=with_entropy, STORE_Z=store_z is not None, Z_TMA=z_tma, STORE_SPLIT=split,
+            **_gemm_meta(h, cfg),
+        )  # fmt: skip
+    return parts, z_y
+
+
+def combine_partials(
+    parts: torch.Tensor,
+    z_y: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    vocab_size: int,
+    ignore_index: int = -100,
+    config: LinearHeadConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reduce :func:`stats_partials`' output over the column tiles (fixed order, per row):
+    ``(logp, lse, entropy)`` fp32 ``[M]``, ``entropy`` None when ``parts`` has no third plane."""
+    parts = v.float_tensor("parts", parts)
+    if parts.dtype != torch.float32 or parts.dim() != 3 or parts.shape[0] not in (2, 3):
+        raise ValueError(f"parts must be fp32 [2 or 3, n_tiles, M] (stats_partials), got {v.describe(parts)}")
+    if not parts.is_contiguous():
+        raise ValueError(f"parts must be contiguous, got strides {parts.stride()}")
+    m = parts.shape[2]
+    z_y = _row_vector("z_y", z_y, m, parts.device)
+    ids = v.int_tensor("ids", ids)
+    v.same_shape("ids", ids, "parts' rows", (m,))
+    for name, t in (("z_y", z_y), ("ids", ids)):
+        v.same_device(name, t, "parts", parts.device)
+    vocab_size = v.positive_int("vocab_size", vocab_size)
+    ignore_index = v.integer("ignore_index", ignore_index)
+    with_entropy = parts.shape[0] == 3
+    logp = torch.empty(m, dtype=torch.float32, device=parts.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    if m == 0:
+        return logp, lse, entropy
+    rows = (config or LinearHeadConfig()).combine_rows
+    with _device_guard(parts):
+        _launch_combine(
+            (_cdiv(m, rows),),
+            (logp, lse, entropy if with_entropy else logp, parts[0], parts[1], parts[-1],
+             z_y.contiguous(), ids.contiguous(), m, vocab_size, parts.shape[1], ignore_index),
+            {"BLOCK_R": rows, "WITH_ENTROPY": with_entropy},
+            {"num_warps": 4, "enable_fp_fusion": FP_FUSION},
+        )  # fmt: skip
+    return logp, lse, entropy
+
+
 def linear_head_stats(
     h: torch.Tensor,
     w: torch.Tensor,
@@ -538,7 +634,7 @@ def linear_head_stats(
     config: LinearHeadConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-token log-prob, log-sum-exp and (optionally) entropy of ``softmax((h @ w.T) / T)``,
-    without an ``[M, V]`` logits buffer.
+    without an ``[M, V]`` logits buffer: :func:`stats_partials` then :func:`combine_partials`.
 
     Args:
         h: ``[M, H]`` bf16/fp16/fp32, contiguous, 16-byte aligned rows (hidden states).
@@ -554,41 +650,13 @@ def linear_head_stats(
         ``(logp, lse, entropy)``: fp32 ``[M]`` each (``lse`` of z = x / T, saved for
         :func:`linear_head_grad_into`); ``entropy`` is None unless ``with_entropy``.
     """
-    cfg = _check_operands(h, w, ids, config)
-    temperature, ignore_index = _scalars(temperature, ignore_index)
-    with_entropy = v.boolean("with_entropy", with_entropy)
-    m, k = h.shape
-    n = w.shape[0]
-    if store_z is not None:
-        store_z = _check_output("store_z", store_z, h, n)
-    logp = torch.empty(m, dtype=torch.float32, device=h.device)
-    lse = torch.empty_like(logp)
-    entropy = torch.empty_like(logp) if with_entropy else None
-    if m == 0:
-        return logp, lse, entropy
-    n_tiles = _cdiv(n, cfg.block_n)
-    parts = torch.empty((3 if with_entropy else 2, n_tiles, m), dtype=torch.float32, device=h.device)
-    m_part, s_part = parts[0], parts[1]
-    w_part = parts[2] if with_entropy else parts[0]
-    z_y = torch.empty_like(logp)
-    ids = ids.contiguous()
-    h_desc, w_desc, z_arg, z_tma = _descriptors(h, w, store_z, cfg)
-    programs = _programs(h, m, n, cfg)
-    with _device_guard(h):
-        _linear_head_stats_kernel[(programs,)](
-            m_part, s_part, w_part, z_y, z_arg if store_z is not None else z_y, n,
-            h_desc, w_desc, ids, m, n, k, programs, temperature, ignore_index,
-            WITH_ENTROPY=with_entropy, STORE_Z=store_z is not None, Z_TMA=z_tma, STORE_SPLIT=cfg.store_split,
-            **_gemm_meta(h, cfg),
-        )  # fmt: skip
-        _launch_combine(
-            (_cdiv(m, cfg.combine_rows),),
-            (logp, lse, entropy if with_entropy else logp, m_part, s_part, w_part, z_y, ids, m, n, n_tiles,
-             ignore_index),
-            {"BLOCK_R": cfg.combine_rows, "WITH_ENTROPY": with_entropy},
-            {"num_warps": 4, "enable_fp_fusion": FP_FUSION},
-        )  # fmt: skip
-    return logp, lse, entropy
+    _, ignore_index = _scalars(temperature, ignore_index)
+    parts, z_y = stats_partials(
+        h, w, ids, temperature=temperature, with_entropy=with_entropy, store_z=store_z, config=config
+    )
+    return combine_partials(
+        parts, z_y, ids, vocab_size=w.shape[0], ignore_index=ignore_index, config=config
+    )
 
 
 def linear_head_grad_into(
@@ -621,18 +689,18 @@ def linear_head_grad_into(
     m, k = h.shape
     n = w.shape[0]
     grad_out = _check_output("grad_out", grad_out, h, n)
-    lse = _row_vector("lse", lse, h)
+    lse = _row_vector("lse", lse, m, h.device)
     if g_ent is not None and entropy is None:
         raise ValueError("entropy must be given with g_ent (the gradient of the entropy needs it)")
-    g_logp = _row_vector("g_logp", g_logp, h) if g_logp is not None else None
-    g_ent = _row_vector("g_ent", g_ent, h) if g_ent is not None else None
-    entropy = _row_vector("entropy", entropy, h) if g_ent is not None else None
+    g_logp = _row_vector("g_logp", g_logp, m, h.device) if g_logp is not None else None
+    g_ent = _row_vector("g_ent", g_ent, m, h.device) if g_ent is not None else None
+    entropy = _row_vector("entropy", entropy, m, h.device) if g_ent is not None else None
     if m == 0:
         return
     if g_logp is None and g_ent is None:
         grad_out.zero_()
         return
-    h_desc, w_desc, g_arg, g_tma = _descriptors(h, w, grad_out, cfg)
+    h_desc, w_desc, g_arg, g_tma, split = _descriptors(h, w, grad_out, cfg)
     programs = _programs(h, m, n, cfg)
     with _device_guard(h):
         _linear_head_grad_kernel[(programs,)](
@@ -640,5 +708,5 @@ def linear_head_grad_into(
             entropy if entropy is not None else lse, g_logp if g_logp is not None else lse,
             g_ent if g_ent is not None else lse, m, n, k, programs, temperature, ignore_index,
             HAS_GRAD_LOGP=g_logp is not None, HAS_GRAD_ENTROPY=g_ent is not None, G_TMA=g_tma,
-            STORE_SPLIT=cfg.store_split, **_gemm_meta(h, cfg),
+            STORE_SPLIT=split, **_gemm_meta(h, cfg),
         )  # fmt: skip
