@@ -26,6 +26,7 @@ from collections import defaultdict
 
 import torch
 
+import rlkernel as rk
 from rlkernel.bench._linear_inputs import KINDS, geometry, hidden, make_inputs
 from rlkernel.bench._logits_baselines import TEMPERATURE, loss_config
 from rlkernel.kernels import logprobs as lk
@@ -41,6 +42,7 @@ VARIANTS = {
     "grouped": {"whole_batch": False},  # the grouped loop: fp32 dweight accumulator + final cast
     "c1024": {"chunk_rows": 1024},
     "bf16_logits": {"logits_dtype": "input"},
+    "cublas": {"options": {"linear_head_gemm": "cublas"}},  # cuBLAS chunks + log-softmax kernels
 }
 
 
@@ -133,6 +135,18 @@ def _gaps(prof, min_us: float = 30.0):
 
 
 def _workload(kind_name: str, n: int, variant: dict, seed: int = 1):
+    variant = dict(variant)
+    options = variant.pop("options", {})
+    step, scored = _workload_step(kind_name, n, variant, seed)
+
+    def with_options():
+        with rk.use_options(**options):
+            return step()
+
+    return with_options, scored
+
+
+def _workload_step(kind_name: str, n: int, variant: dict, seed: int):
     kind = KINDS[kind_name]
     inp = make_inputs(kind, geometry(n, False), H, V, DEV, seed=seed)
     inp["base"].requires_grad_(True)

@@ -37,6 +37,7 @@ MatmulTable = Literal["tuned", "single"]
 InvariantBackward = Literal["kernel", "torch"]
 LogitsDtype = Literal["fp32", "input"]
 DweightAccum = Literal["fp32", "weight"]
+LinearHeadGemm = Literal["auto", "triton", "cublas"]
 TpGemm = Literal["auto", "half", "fp32"]
 TpElementwise = Literal["auto", "torch"]
 
@@ -65,6 +66,7 @@ _CHOICES = {
     "invariant_backward": ("kernel", "torch"),
     "linear_logits_dtype": ("fp32", "input"),
     "linear_dweight_accum": ("fp32", "weight"),
+    "linear_head_gemm": ("auto", "triton", "cublas"),
     "tp_gemm": ("auto", "half", "fp32"),
     "tp_elementwise": ("auto", "torch"),
 }
@@ -92,6 +94,12 @@ class Options:
             ``"input"`` (in the input dtype, as the model's own LM head gives; ~5 % faster).
         linear_dweight_accum: the linear path's dweight accumulator: ``"fp32"`` or ``"weight"``
             (the weight's dtype; ~1 % faster, bf16 rounding per group).
+        linear_head_gemm: the linear path's logits GEMMs: ``"auto"`` (the Triton LM-head GEMM whose
+            epilogue computes the log-softmax statistics, and recomputes the logits gradient in the
+            primitive's backward, where it runs: CUDA sm90+, 16-bit inputs, no bias, fp32 logits,
+            not invariant; cuBLAS chunks elsewhere), ``"triton"`` (that kernel wherever it can
+            run, the CPU interpreter included: tests), ``"cublas"`` (cuBLAS chunks and the
+            log-softmax kernels over stored logits).
         linear_chunk_bytes: the linear path's budget for one fp32 logits chunk (rows × V × 4).
         linear_grad_bytes: the linear path's budget for one gradient group's fp32 ∂z.
         tp_gemm: the vocab-parallel path's local GEMMs for bf16/fp16: ``"auto"`` (half-precision
@@ -109,6 +117,7 @@ class Options:
     grad_in_forward_max_vocab: int = 65536
     linear_logits_dtype: LogitsDtype = "fp32"
     linear_dweight_accum: DweightAccum = "fp32"
+    linear_head_gemm: LinearHeadGemm = "auto"
     linear_chunk_bytes: int = 1280 << 20
     linear_grad_bytes: int = 1280 << 20
     tp_gemm: TpGemm = "auto"

@@ -162,7 +162,7 @@ def test_stats_extreme_logits():
         h, w_equal, ids, temperature=0.7, ignore_index=IGNORE, with_entropy=True, config=small()
     )
     active = ids != IGNORE
-    log_v = torch.log(torch.tensor(float(vocab), dtype=torch.float64))
+    log_v = torch.log(torch.tensor(float(vocab), dtype=torch.float64, device=logp.device))
     assert_close(logp[active], (-log_v).expand(int(active.sum())), tol)
     assert_close(entropy[active], log_v.expand(int(active.sum())), (1e-5, 1e-5))
 
@@ -366,7 +366,8 @@ def test_bad_inputs_raise():
         (ValueError, "entropy must be given", lambda: grad_into(entropy=None)),
         (ValueError, "grad_out", lambda: grad_into(grad_out=grad.t())),
         (TypeError, "grad_out", lambda: grad_into(grad_out=grad.to(torch.int16))),
-        (ValueError, "grad_out must be contiguous", lambda: grad_into(grad_out=torch.empty(100, 4).t())),
+        (ValueError, "grad_out must be contiguous",
+         lambda: grad_into(grad_out=torch.empty(100, 4, device=h.device).t())),  # fmt: skip
     ]
     parts, z_y = lh.stats_partials(h, w, ids, config=small())
     combine = lh.combine_partials

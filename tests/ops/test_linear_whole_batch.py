@@ -145,7 +145,9 @@ def test_whole_batch_rule():
     assert engine.whole_batch_fits(4096, 4096, 4096, bf16, bf16)
     assert not engine.whole_batch_fits(4097, 4096, 4096, fp32, fp32)
     h, w, b, ids = make(torch.bfloat16)
-    settings = engine.EngineSettings.from_options(rk.Options(), chunk_rows=CHUNK, grad_rows=GROUP)
+    # cuBLAS chunks (the rule rounds the rows up to whole chunks; the epilogue kernel needs no padding)
+    opts = rk.Options(linear_head_gemm="cublas")
+    settings = engine.EngineSettings.from_options(opts, chunk_rows=CHUNK, grad_rows=GROUP)
 
     def eng(n, need_w, s=settings):
         return engine._Engine(h[:n], w, None, ids[:n], 1.0, -100, s, need_dweight=need_w)
@@ -155,8 +157,8 @@ def test_whole_batch_rule():
     assert not eng(33, True).whole and eng(33, True).cg == GROUP
     assert not eng(8, False).whole  # no dweight wanted
     assert not eng(0, True).whole  # no rows
-    never = engine.EngineSettings.from_options(rk.Options(), chunk_rows=CHUNK, whole_batch=False)
-    always = engine.EngineSettings.from_options(rk.Options(), chunk_rows=CHUNK, grad_rows=8, whole_batch=True)
+    never = engine.EngineSettings.from_options(opts, chunk_rows=CHUNK, whole_batch=False)
+    always = engine.EngineSettings.from_options(opts, chunk_rows=CHUNK, grad_rows=8, whole_batch=True)
     assert not eng(8, True, never).whole
     assert eng(N, True, always).whole and eng(N, True, always).cg == 48
     with pytest.raises(ValueError, match="whole_batch"):

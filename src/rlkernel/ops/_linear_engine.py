@@ -58,6 +58,7 @@ class EngineSettings:
             inside it, one rounding), with no V·H fp32 accumulator and no final cast. None: when
             it takes no more memory than the grouped loop (the default); False: never; True:
             whenever there are rows (tests).
+        head_gemm: the option ``linear_head_gemm`` (:func:`epilogue_kernel_runs`).
     """
 
     chunk_rows: int | None = None
@@ -72,6 +73,7 @@ class EngineSettings:
     matmul_thresholds: MatmulThresholds = DEFAULTS.matmul_thresholds
     compact: bool = True
     whole_batch: bool | None = None
+    head_gemm: str = DEFAULTS.linear_head_gemm
 
     @classmethod
     def from_options(
@@ -119,6 +121,7 @@ class EngineSettings:
             options.matmul_thresholds,
             bool(compact),
             whole_batch,
+            options.linear_head_gemm,
         )
 
 
@@ -153,6 +156,25 @@ def whole_batch_fits(
     ``rows <= group_rows + H`` (8192 at H = 4096 and the default 4096-row groups)."""
     b, acc = grad_dtype.itemsize, accum_dtype.itemsize
     return rows * b <= group_rows * b + hdim * (acc - b)
+
+
+def epilogue_kernel_runs(hidden, weight, bias, settings: EngineSettings) -> bool:
+    """Whether the chunk logits come from ``kernels.linear_head`` (the LM-head GEMM whose epilogue
+    computes the log-softmax statistics, and the logits gradient by recomputation) instead of
+    cuBLAS + the log-softmax kernels over stored logits. ``"auto"``: on CUDA (TMA: sm90+) for
+    16-bit operands with fp32 logits, no bias, not the invariant mode; ``"triton"``: wherever the
+    kernel runs (the CPU interpreter too); ``"cublas"``: never. Its results are row invariant at
+    any M (no chunk padding needed)."""
+    mode = settings.head_gemm
+    if mode == "cublas" or settings.invariant or bias is not None or settings.logits_dtype != "fp32":
+        return False
+    if hidden.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != hidden.dtype:
+        return False
+    if mode == "auto" and hidden.device.type != "cuda":
+        return False
+    from rlkernel.kernels import linear_head as lh  # imports the kernels on first use
+
+    return lh.can_run(weight)
 
 
 _out_dtype_ok: dict[str, bool] = {}
@@ -218,9 +240,14 @@ class _Engine:
         dev, dt = hidden.device, hidden.dtype
         self.w32 = None
         self.inv = settings if settings.invariant else None
+        # The epilogue kernel: statistics from the GEMM's accumulator, fp32 logits stored only where
+        # a forward needs them (the fused loss), row invariant at any M (no chunk padding).
+        self.epi = epilogue_kernel_runs(hidden, weight, bias, settings)
         zdt = dt
         if self.inv is not None:  # the invariant kernel writes fp32 or 16-bit outputs on any device
             zdt = torch.float32 if settings.logits_dtype == "fp32" else dt
+        elif self.epi:
+            zdt = torch.float32
         elif dt in (torch.float16, torch.bfloat16) and settings.logits_dtype == "fp32":
             if dev.type != "cuda":
                 # CPU (interpreter tests): no mm(out_dtype=...) there; an fp32 weight copy per call.
@@ -232,7 +259,7 @@ class _Engine:
         cg = settings.grad_rows or grad_rows_for(self.v, dt, settings.grad_bytes)
         self.cg = max(self.c, cg // self.c * self.c)
         # Whole batch: one group of every row (rounded up to whole chunks), when dweight is wanted.
-        m_all = -(-self.n // self.c) * self.c
+        m_all = self._padded_rows(self.n)
         acc_dt = torch.float32 if settings.dweight_accum == "fp32" else weight.dtype
         self.whole = (
             need_dweight
@@ -244,7 +271,8 @@ class _Engine:
             self.cg = m_all
         self.hbuf = torch.empty(self.cg, self.hdim, dtype=dt, device=dev)
         self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)
-        self.zbuf = None if zdt == dt else torch.empty(self.c, self.v, dtype=zdt, device=dev)
+        # fp32 chunk logits: made on first use (the epilogue kernel's primitive never stores any).
+        self.z_in_grad, self._zbuf = zdt == dt, None
         self.idbuf = torch.full((self.cg,), self.ii, dtype=torch.int64, device=dev)
         # The invariant GEMM adds the bias (in its own dtype) to the fp32 accumulator before the
         # one rounding, as the patched LM head does; cuBLAS chunks add it after, in zdt.
@@ -254,6 +282,18 @@ class _Engine:
         self.inactive = None if row_index is not None else (self.ids == self.ii)[:, None]
         self.dw_started = False
 
+    def _padded_rows(self, n: int) -> int:
+        """Rows of a group of n real rows: whole chunks (cuBLAS's fixed-shape chunk GEMMs), or n
+        itself with the epilogue kernel (row invariant at any M)."""
+        return n if self.epi else -(-n // self.c) * self.c
+
+    @property
+    def zbuf(self) -> torch.Tensor:
+        """The fp32 logits of one chunk ``[c, V]`` (allocated once, on first use)."""
+        if self._zbuf is None:
+            self._zbuf = torch.empty(self.c, self.v, dtype=self.zdt, device=self.h.device)
+        return self._zbuf
+
     def groups(self):
         for start in range(0, self.n, self.cg):
             yield slice(start, min(start + self.cg, self.n))
@@ -262,7 +302,7 @@ class _Engine:
         """Copy a group's hidden rows and ids into the fixed buffers (ignored rows zeroed, the tail
         padded with zero rows and ignore_index ids); returns (real rows, rows of whole chunks)."""
         n = rows.stop - rows.start
-        m = -(-n // self.c) * self.c
+        m = self._padded_rows(n)
         hb = self.hbuf
         if self.idx is None:
             hb[:n].copy_(self.h[rows])
@@ -281,7 +321,7 @@ class _Engine:
         computes the real rows only, and the pad rows, ignored, are never read)."""
         sl = slice(k * self.c, (k + 1) * self.c)
         hb = self.hbuf[sl]
-        z = self.g[sl] if self.zbuf is None else self.zbuf
+        z = self.g[sl] if self.z_in_grad else self.zbuf
         if self.inv is not None:
             from rlkernel.kernels import matmul as mk  # imports the GEMM kernels on first use
 
@@ -314,8 +354,76 @@ class _Engine:
         lk.token_logprobs_fwd_into(z, self.idbuf[sl], lp, en, ls, temperature=self.t, ignore_index=self.ii)
         return lp, en, ls
 
+    def chunks(self, n: int):
+        """``(k, real rows)`` of each chunk of a staged group of ``n`` real rows."""
+        for k in range(-(-n // self.c)):
+            yield k, min(self.c, n - k * self.c)
+
+    def forward_chunk(self, k: int, cnt: int, with_entropy: bool, keep_logits: bool):
+        """Chunk k's rows ``sl``, its logits ``z`` (None unless ``keep_logits`` with the epilogue
+        kernel) and fp32 ``(logp, entropy or None, lse)``: ``c`` rows each (cuBLAS, pad rows
+        included), or its ``cnt`` real rows (the epilogue kernel, which stores the fp32 logits only
+        when they are kept, for :meth:`chunk_grad`)."""
+        if not self.epi:
+            sl, z = self.chunk(k, k * self.c + cnt)
+            return (sl, z, *self.stats(sl, z, with_entropy))
+        from rlkernel.kernels import linear_head as lh
+
+        sl = slice(k * self.c, k * self.c + cnt)
+        z = self.zbuf[:cnt] if keep_logits else None
+        lp, ls, en = lh.linear_head_stats(
+            self.hbuf[sl], self.w, self.idbuf[sl], temperature=self.t, ignore_index=self.ii,
+            with_entropy=with_entropy, store_z=z,
+        )  # fmt: skip
+        return sl, z, lp, en, ls
+
+    def group_stats(self, n: int, with_entropy: bool):
+        """fp32 ``(logp, entropy or None, lse)`` ``[n]`` of a staged group (no logits kept): one
+        epilogue-kernel launch, or the chunk loop."""
+        if self.epi:
+            from rlkernel.kernels import linear_head as lh
+
+            lp, ls, en = lh.linear_head_stats(
+                self.hbuf[:n], self.w, self.idbuf[:n], temperature=self.t, ignore_index=self.ii,
+                with_entropy=with_entropy,
+            )  # fmt: skip
+            return lp, en, ls
+        dev = self.h.device
+        lp, ls = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(2))
+        en = torch.empty(n, dtype=torch.float32, device=dev) if with_entropy else None
+        for k, cnt in self.chunks(n):
+            sl, z = self.chunk(k, n)
+            c_lp, c_en, c_ls = self.stats(sl, z, with_entropy)
+            r = slice(sl.start, sl.start + cnt)
+            lp[r], ls[r] = c_lp[:cnt], c_ls[:cnt]
+            if en is not None:
+                en[r] = c_en[:cnt]
+        return lp, en, ls
+
+    def group_logits_grad(self, n: int, m: int, lse, entropy, g_logp, g_ent) -> None:
+        """The logits gradient of a staged group (``[n]`` fp32 per-row inputs, entropy/g_ent may be
+        None) into the first m rows of the gradient buffer: the epilogue kernel recomputes the
+        logits in one launch; otherwise each chunk's logits are recomputed and differentiated."""
+        if self.epi:
+            from rlkernel.kernels import linear_head as lh
+
+            lh.linear_head_grad_into(
+                self.hbuf[:n], self.w, self.idbuf[:n], lse, entropy, g_logp, g_ent, self.g[:n],
+                temperature=self.t, ignore_index=self.ii,
+            )  # fmt: skip
+            return
+        for k, cnt in self.chunks(n):
+            sl, z = self.chunk(k, n)
+            start = sl.start
+            self.chunk_grad(
+                sl, z, _padded(lse, self.c, start, cnt),
+                None if g_ent is None else _padded(entropy, self.c, start, cnt),
+                _padded(g_logp, self.c, start, cnt), _padded(g_ent, self.c, start, cnt),
+            )  # fmt: skip
+
     def chunk_grad(self, sl, z, lse, entropy, g_logp, g_ent):
-        """The chunk's logits gradient into rows ``sl`` of the group's gradient buffer."""
+        """The chunk's logits gradient into rows ``sl`` of the group's gradient buffer (``z`` and the
+        vectors have the rows of ``sl``: ``c``, or the real rows with the epilogue kernel)."""
         _bwd_into(z, self.idbuf[sl], lse, entropy, g_logp, g_ent, self.g[sl], self.t, self.ii)
 
     def group_grads(self, rows, n, m, dh, dw, db):

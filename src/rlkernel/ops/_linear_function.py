@@ -218,15 +218,11 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         lse = torch.empty(eng.n, dtype=torch.float32, device=dev)
         entropy = torch.empty(eng.n if return_entropy else 0, dtype=torch.float32, device=dev)
         for rows in eng.groups():
-            n, m = eng.stage(rows)
-            for k in range(m // eng.c):
-                sl, z = eng.chunk(k, n)
-                lp, en, ls = eng.stats(sl, z, return_entropy)
-                r = slice(rows.start + sl.start, min(rows.start + sl.stop, rows.stop))
-                cnt = r.stop - r.start
-                logp[r], lse[r] = lp[:cnt], ls[:cnt]
-                if en is not None:
-                    entropy[r] = en[:cnt]
+            n, _ = eng.stage(rows)
+            lp, en, ls = eng.group_stats(n, return_entropy)
+            logp[rows], lse[rows] = lp, ls
+            if en is not None:
+                entropy[rows] = en
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, idx)
         ctx.args = (temperature, ignore_index, return_entropy, settings)
         ctx.set_materialize_grads(False)
@@ -258,21 +254,12 @@ class _LinearLogprobsFunction(torch.autograd.Function):
             ge = None if ge is None else ge.index_select(0, idx)
         # The grouped loop accumulates into these; a whole batch makes them at the end.
         dh, dw, db = (None,) * 3 if eng.whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
-        c = eng.c
         for rows in eng.groups():
             n, m = eng.stage(rows)
-            for k in range(m // c):
-                sl, z = eng.chunk(k, n)
-                start, cnt = rows.start + sl.start, min(c, n - sl.start)
-                ent_c = _padded(entropy, c, start, cnt) if ge is not None else None
-                eng.chunk_grad(
-                    sl,
-                    z,
-                    _padded(lse, c, start, cnt),
-                    ent_c,
-                    _padded(gl, c, start, cnt),
-                    _padded(ge, c, start, cnt),
-                )
+            eng.group_logits_grad(
+                n, m, lse[rows], entropy[rows] if ge is not None else None,
+                None if gl is None else gl[rows], None if ge is None else ge[rows],
+            )  # fmt: skip
             if eng.whole:
                 dh, dw, db = whole_batch_grads(
                     eng.whole_buffers(m), weight, hidden.shape[0], need_h, need_w, need_b
@@ -424,13 +411,11 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         ctx.whole = None  # whole batch: the gradient rows, kept for the backward's two GEMMs
         dh, dw, db = (None,) * 3 if eng.whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
-        c = eng.c
         for rows in eng.groups():
             n, m = eng.stage(rows)
-            for k in range(m // c):
-                sl, z = eng.chunk(k, n)
-                lp, en, ls = eng.stats(sl, z, with_entropy)
-                start, cnt = rows.start + sl.start, min(c, n - sl.start)
+            for k, cnt in eng.chunks(n):
+                sl, z, lp, en, ls = eng.forward_chunk(k, cnt, with_entropy, keep_logits=any_grad)
+                start = rows.start + sl.start
                 r = slice(start, start + cnt)
                 logp[r] = lp[:cnt]
                 if en is not None:
@@ -439,9 +424,10 @@ class _FusedLinearLossFunction(torch.autograd.Function):
                 with torch.enable_grad():
                     part, g_logp, g_ent = coef_fn(where, lp[:cnt], None if en is None else en[:cnt])
                 loss += part.detach()
-                if any_grad:
-                    g_logp = _padded(None if g_logp is None else g_logp.detach(), c, 0, cnt)
-                    g_ent = _padded(None if g_ent is None or en is None else g_ent.detach(), c, 0, cnt)
+                if any_grad:  # the kernel's rows: c (cuBLAS chunk, pad rows ignored) or cnt
+                    rows_k = ls.shape[0]
+                    g_logp = _padded(None if g_logp is None else g_logp.detach(), rows_k, 0, cnt)
+                    g_ent = _padded(None if g_ent is None or en is None else g_ent.detach(), rows_k, 0, cnt)
                     eng.chunk_grad(sl, z, ls, en, g_logp, g_ent)
             if any_grad and eng.whole:
                 ctx.whole = eng.whole_buffers(m)

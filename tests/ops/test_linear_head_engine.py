@@ -1,0 +1,157 @@
+"""The linear path on the epilogue kernel (``kernels.linear_head``, option ``linear_head_gemm``): the
+primitive (statistics from the GEMM's epilogue, the logits gradient recomputed in backward) and the
+fused loss (statistics + stored fp32 logits) against the float64 reference and against the cuBLAS
+chunk engine on the same inputs; which path runs when. CPU: the kernels in the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlkernel as rk
+from rlkernel.kernels import linear_head as lh
+from rlkernel.ops import _linear_engine as engine
+from rlkernel.ops import _linear_function as lf
+from rlkernel.ops._linear_loss import autograd_coef_fn
+from rlkernel.reference import logprobs as ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+H, V, N = 16, 61, 45
+IGNORED = [0, 7, 8, 30, N - 1]
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
+
+
+def make(dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype).to(DEVICE)
+    ids = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    ids[IGNORED] = -100
+    ids[3], ids[4] = 0, V - 1
+    return h, w, ids
+
+
+def leaves(*ts):
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+class Spy:
+    """Counts the epilogue kernel's launches (seam: a spy on the kernels module)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("linear_head_stats", "linear_head_grad_into"):
+            real = getattr(lh, name)
+            monkeypatch.setattr(lh, name, self._wrap(name, real))  # seam: spy
+
+    def _wrap(self, name, real):
+        def call(*a, **k):
+            self.calls.append(name)
+            return real(*a, **k)
+
+        return call
+
+
+def primitive(h, w, ids, mode, **kw):
+    hh, ww = leaves(h, w)
+    g = torch.Generator().manual_seed(1)
+    gl, ge = torch.randn(N, generator=g).to(DEVICE), torch.randn(N, generator=g).to(DEVICE)
+    with rk.use_options(linear_head_gemm=mode):
+        lp, en = lf.linear_token_logprobs_triton(
+            hh, ww, ids, temperature=0.8, return_entropy=True, chunk_rows=8, grad_rows=16, **kw
+        )
+    return lp.detach(), en.detach(), torch.autograd.grad((lp, en), (hh, ww), (gl, ge)), (gl, ge)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("whole_batch", [None, False, True])
+def test_primitive_on_epilogue_kernel(dtype, whole_batch, monkeypatch):
+    h, w, ids = make(dtype)
+    spy = Spy(monkeypatch)
+    lp, en, grads, (gl, ge) = primitive(h, w, ids, "triton", whole_batch=whole_batch)
+    assert "linear_head_stats" in spy.calls and "linear_head_grad_into" in spy.calls
+    n_calls = len(spy.calls)
+    clp, cen, cgrads, _ = primitive(h, w, ids, "cublas", whole_batch=whole_batch)
+    assert len(spy.calls) == n_calls  # cublas: the kernel never runs
+    hh, ww = leaves(h, w)
+    rlp, ren = ref.linear_token_logprobs(hh, ww, ids, temperature=0.8, return_entropy=True)
+    rgrads = torch.autograd.grad((rlp, ren), (hh, ww), (gl, ge))
+    torch.testing.assert_close(lp, rlp.float(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(en, ren.float(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(lp, clp, atol=2e-6, rtol=0)
+    for got, cub, want in zip(grads, cgrads, rgrads, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert rel(got, want) <= 1e-2 and rel(got, cub) <= 1e-2
+    assert bool((lp[IGNORED] == 0).all()) and bool((grads[0][IGNORED] == 0).all())
+
+
+@pytest.mark.parametrize("whole_batch", [None, False])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_fused_loss_on_epilogue_kernel(whole_batch, scale, monkeypatch):
+    h, w, ids = make(seed=2)
+    coef = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    spy = Spy(monkeypatch)
+
+    def run(mode):
+        hh, ww = leaves(h, w)
+        coef_fn = autograd_coef_fn(lambda r, lp, e: (coef[r] * lp).sum() - 0.05 * e.sum())
+        with rk.use_options(linear_head_gemm=mode):
+            loss, lp, _ = lf.fused_linear_token_loss(
+                hh, ww, None, ids, coef_fn=coef_fn, temperature=0.9, with_entropy=True,
+                chunk_rows=8, grad_rows=16, whole_batch=whole_batch,
+            )  # fmt: skip
+        return loss.detach(), lp, torch.autograd.grad(loss * scale, (hh, ww))
+
+    loss, lp, grads = run("triton")
+    assert spy.calls and set(spy.calls) == {"linear_head_stats"}  # the chunks' statistics + logits
+    closs, clp, cgrads = run("cublas")
+    hh, ww = leaves(h, w)
+    rlp, ren = ref.linear_token_logprobs(hh, ww, ids, temperature=0.9, return_entropy=True)
+    active = (ids != -100).double()
+    rloss = ((coef.double() * rlp.double() - 0.05 * ren.double()) * active).sum()
+    rgrads = torch.autograd.grad(rloss * scale, (hh, ww))
+    torch.testing.assert_close(loss.double(), rloss.detach(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(loss, closs, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(lp, clp, atol=2e-6, rtol=0)
+    for got, cub, want in zip(grads, cgrads, rgrads, strict=True):
+        assert rel(got, want) <= 1e-2 and rel(got, cub) <= 1e-2
+
+
+def test_row_invariance_on_epilogue_kernel():
+    """A row's log-prob is bitwise the same alone, in the batch, and with other rows around it."""
+    h, w, ids = make()
+    with rk.use_options(linear_head_gemm="triton"):
+        full = lf.linear_token_logprobs_triton(h, w, ids, chunk_rows=8)
+        for r in (3, 4, 20):
+            alone = lf.linear_token_logprobs_triton(h[r : r + 1], w, ids[r : r + 1], chunk_rows=8)
+            assert torch.equal(alone[0], full[r])
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        shuffled = lf.linear_token_logprobs_triton(h[perm], w, ids[perm], chunk_rows=8)
+        assert torch.equal(shuffled, full[perm])
+
+
+def test_which_path_runs():
+    h, w, ids = make()
+
+    def runs(mode, hh=h, ww=w, bias=None, **kw):
+        settings = engine.EngineSettings.from_options(rk.Options(linear_head_gemm=mode), **kw)
+        return engine.epilogue_kernel_runs(hh, ww, bias, settings)
+
+    assert runs("triton")
+    assert not runs("cublas")
+    assert runs("auto") == (DEVICE.type == "cuda" and lh.can_run(w))  # auto: CUDA only
+    assert not runs("triton", bias=torch.zeros(V, dtype=w.dtype, device=DEVICE))  # no bias epilogue
+    assert not runs("triton", invariant=True)  # the invariant mode keeps its own GEMM
+    assert not runs("triton", logits_dtype="input")  # bf16 logits: cuBLAS chunks
+    assert not runs("triton", hh=h.float(), ww=w.float())  # fp32 operands: cuBLAS chunks
+    assert not runs("triton", ww=w[:, :15].contiguous(), hh=h[:, :15])  # 30-byte rows: no TMA
+    with pytest.raises(ValueError, match="linear_head_gemm"):
+        rk.Options(linear_head_gemm="cutlass")
