@@ -163,3 +163,31 @@ def test_whole_batch_rule():
     assert eng(N, True, always).whole and eng(N, True, always).cg == 48
     with pytest.raises(ValueError, match="whole_batch"):
         engine.EngineSettings.from_options(rk.Options(), whole_batch="yes")
+
+
+def test_second_backward_on_a_torch_that_cannot_tell_retained_graphs(monkeypatch):
+    """torch < 2.5 (``graph_retained()`` is None): the grouped loop hands its buffers out and says why
+    a second backward cannot run; the whole batch keeps its rows and runs it right."""
+    import rlkernel.ops._autograd as autograd_state
+
+    monkeypatch.setattr(autograd_state, "graph_retained", lambda: None)  # seam: fake torch < 2.5
+    h, w, b, ids = make(torch.float32, seed=6)
+    coef = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+
+    def loss_of(whole, params):
+        return lf.fused_linear_token_loss(
+            params[0], params[1], None, ids, coef_fn=autograd_coef_fn(lambda r, lp, e: (coef[r] * lp).sum()),
+            chunk_rows=CHUNK, grad_rows=GROUP, whole_batch=whole,
+        )[0]  # fmt: skip
+
+    grouped = loss_of(False, leaves(h, w))
+    grouped.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot tell whether a backward retains"):
+        grouped.backward()
+    params = leaves(h, w)
+    whole = loss_of(True, params)
+    whole.backward(retain_graph=True)
+    once = [p.grad.clone() for p in params]
+    whole.backward()
+    for p, g in zip(params, once, strict=True):
+        torch.testing.assert_close(p.grad, 2 * g)

@@ -599,7 +599,6 @@ def test_unsupported_second_backward_says_why_and_how_to_avoid_it(
         ("logits", {}, 65536, r"use_options\(grad_in_forward_max_vocab=0\)"),
         ("logits", {"inplace_backward": True}, 65536, "inplace_backward=False"),
         ("logits", {"inplace_backward": True}, 0, "inplace_backward=False"),
-        ("hidden", {}, 65536, r"use_options\(token_level_fusion=False\)"),
     ]
     real_graph_retained = getattr(fn_mod, "graph_retained", None)
     with rk.use_backend("triton"):
@@ -618,6 +617,13 @@ def test_unsupported_second_backward_says_why_and_how_to_avoid_it(
             monkeypatch.setattr(fn_mod, "graph_retained", lambda: None, raising=False)
             with pytest.raises(RuntimeError, match="cannot tell whether a backward retains.*" + advice):
                 _grads_after(cfg, p, source, 2, **extra)
+        # The hidden route at this size is a whole batch: its backward modifies nothing, so a second
+        # backward is right on any torch (the grouped loop's error is tested in tests/ops).
+        monkeypatch.setattr(fn_mod, "graph_retained", lambda: None, raising=False)  # seam: torch < 2.5
+        twice = _grads_after(cfg, p, "hidden", 2)
+        once = _grads_after(cfg, p, "hidden", 1)
+        for a, b in zip(twice, once, strict=True):
+            torch.testing.assert_close(a, 2 * b, atol=1e-6, rtol=1e-5)
 
 
 @interpreter_quiet

@@ -488,7 +488,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         the upstream gradient. Nothing kept is modified, so a retained graph's second backward
         computes the same gradients again; otherwise the rows are released here."""
         wb = ctx.whole
-        if not autograd_state.graph_retained():
+        if autograd_state.graph_retained() is False:  # known not retained (torch < 2.5: unknown, kept)
             ctx.whole = None
         if g_loss is None:
             return (None,) * 9
