@@ -400,10 +400,11 @@ class _Engine:
                 en[r] = c_en[:cnt]
         return lp, en, ls
 
-    def group_logits_grad(self, n: int, m: int, lse, entropy, g_logp, g_ent) -> None:
+    def group_logits_grad(self, n: int, lse, entropy, g_logp, g_ent) -> None:
         """The logits gradient of a staged group (``[n]`` fp32 per-row inputs, entropy/g_ent may be
-        None) into the first m rows of the gradient buffer: the epilogue kernel recomputes the
-        logits in one launch; otherwise each chunk's logits are recomputed and differentiated."""
+        None) into the gradient buffer (whole chunks with cuBLAS, pad rows zero): the epilogue
+        kernel recomputes the logits in one launch; otherwise each chunk's logits are recomputed
+        and differentiated."""
         if self.epi:
             from rlkernel.kernels import linear_head as lh
 
@@ -456,22 +457,21 @@ class _Engine:
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
 
-    def whole_buffers(self, m: int) -> WholeBatchGrad:
-        """The staged rows and their logits gradient after a whole-batch chunk loop (first m rows),
-        for :func:`whole_batch_grads` (now, or in the fused loss's backward)."""
-        return WholeBatchGrad(self.g[:m], self.hbuf[:m], self.idx, self.n)
+    def whole_buffers(self) -> WholeBatchGrad:
+        """The staged rows and their logits gradient after a whole-batch chunk loop (the real rows:
+        the chunks' pad rows have zero gradient), for :func:`whole_batch_grads` (now, or in the
+        fused loss's backward)."""
+        return WholeBatchGrad(self.g[: self.n], self.hbuf[: self.n], self.idx)
 
 
 @dataclasses.dataclass
 class WholeBatchGrad:
-    """A whole-batch group: ``grad [m, V]`` (∂L/∂z of every staged row, zero rows for padding) and
-    ``hidden [m, H]`` (the staged rows), both in the input dtype; ``row_index`` (compaction) and
-    ``n`` (real rows) place the dhidden rows."""
+    """A whole-batch group: ``grad [n, V]`` (∂L/∂z of every staged row) and ``hidden [n, H]`` (the
+    staged rows), both in the input dtype; ``row_index`` (compaction: the rows' places) or None."""
 
     grad: torch.Tensor
     hidden: torch.Tensor
     row_index: torch.Tensor | None
-    n: int
 
 
 def whole_batch_grads(
@@ -491,8 +491,8 @@ def whole_batch_grads(
     applied to the ``[m, H]`` hidden rows before that GEMM (bf16: exact for powers of two, else one
     rounding of each hidden value, as autograd through plain torch rounds the scaled logits
     gradient), and to dhidden and dbias after theirs."""
-    # The real rows only: the pad rows' gradient is zero, and these GEMMs' shapes fix no logp bit.
-    g, hb = wb.grad[: wb.n], wb.hidden[: wb.n]
+    # The real rows only (these GEMMs' shapes fix no logp bit).
+    g, hb = wb.grad, wb.hidden
     dh = dw = db = None
     if need_h:
         part = torch.mm(g, weight)
@@ -517,9 +517,12 @@ def whole_batch_grads(
 
 
 def _padded(x, c, start, n):
-    """fp32 ``[c]`` with ``x[start:start + n]`` first and zeros after (None stays None)."""
+    """fp32 ``[c]`` with ``x[start:start + n]`` first and zeros after (None stays None); a full chunk
+    (n == c) is the fp32 slice itself, without a zero fill and a copy."""
     if x is None:
         return None
+    if n == c:
+        return x[start : start + n].to(torch.float32)
     out = torch.zeros(c, dtype=torch.float32, device=x.device)
     out[:n] = x[start : start + n]
     return out

@@ -257,12 +257,12 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         for rows in eng.groups():
             n, m = eng.stage(rows)
             eng.group_logits_grad(
-                n, m, lse[rows], entropy[rows] if ge is not None else None,
+                n, lse[rows], entropy[rows] if ge is not None else None,
                 None if gl is None else gl[rows], None if ge is None else ge[rows],
             )  # fmt: skip
             if eng.whole:
                 dh, dw, db = whole_batch_grads(
-                    eng.whole_buffers(m), weight, hidden.shape[0], need_h, need_w, need_b
+                    eng.whole_buffers(), weight, hidden.shape[0], need_h, need_w, need_b
                 )
             else:
                 eng.group_grads(rows, n, m, dh, dw, db)
@@ -430,7 +430,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
                     g_ent = _padded(None if g_ent is None or en is None else g_ent.detach(), rows_k, 0, cnt)
                     eng.chunk_grad(sl, z, ls, en, g_logp, g_ent)
             if any_grad and eng.whole:
-                ctx.whole = eng.whole_buffers(m)
+                ctx.whole = eng.whole_buffers()
             elif any_grad:
                 eng.group_grads(rows, n, m, dh, dw, db)
         if dw is not None and not eng.dw_started:
