@@ -14,9 +14,7 @@ collective (see ``_workers.py``, whose plumbing this follows).
 from __future__ import annotations
 
 import copy
-import json
 import os
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import rlkernel as rk
+from _rank_checks import run_checks
 
 from ._workers import COLLECTIVE_TIMEOUT_S, expect_same_error
 
@@ -492,20 +491,11 @@ def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
         world_size=world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    results: dict[str, str] = {}
     path = os.path.join(out_dir, f"rank{rank}.json")
+    passed = False
     try:
         ctx = Ctx(rank=rank, world=world, mesh=init_device_mesh("cpu", (world,)), group=dist.group.WORLD)
-        for name, fn in CHECKS.items():
-            try:
-                fn(ctx)
-                results[name] = "ok"
-            except Exception:  # noqa: BLE001 - reported to the parent test
-                results[name] = traceback.format_exc()
-                return
-            finally:
-                with open(path, "w") as f:
-                    json.dump(results, f)
+        passed = run_checks(CHECKS.items(), ctx, path)
     finally:
-        if results and all(v == "ok" for v in results.values()):
+        if passed:
             dist.destroy_process_group()

@@ -9,9 +9,7 @@ then fail fast in their next collective (the connection closes) instead of waiti
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernel as rk
+from _rank_checks import run_checks
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
 from rlkernel.reference import logprobs as ref
 
@@ -530,20 +529,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
         world_size=world,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    results: dict[str, str] = {}
     path = os.path.join(out_dir, f"rank{rank}.json")
     ctx = Ctx(rank=rank, world=world, group=dist.group.WORLD)
-    try:
-        for name, fn in CHECKS.items():
-            try:
-                fn(ctx)
-                results[name] = "ok"
-            except Exception:  # noqa: BLE001 - reported to the parent test
-                results[name] = traceback.format_exc()
-                return
-            finally:
-                with open(path, "w") as f:
-                    json.dump(results, f)
-    finally:
-        if all(v == "ok" for v in results.values()):
-            dist.destroy_process_group()
+    if run_checks(CHECKS.items(), ctx, path):
+        dist.destroy_process_group()

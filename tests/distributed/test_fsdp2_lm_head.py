@@ -19,20 +19,18 @@ once), and the fixture gives up after ``DEADLINE_S``: hangs become failures.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 import rlkernel as rk
+from _rank_checks import fail_unless_ok, run_spawned
 
 from . import _fsdp2_workers
 
@@ -60,47 +58,12 @@ def _start_method() -> str:
 def outcome(tmp_path_factory):
     """``({rank: {check: "ok" | traceback}}, problem)`` after running all checks."""
     out = tmp_path_factory.mktemp("fsdp2_lm_head")
-    procs = tmp.start_processes(
-        _fsdp2_workers.run,
-        args=(WORLD, str(out / "rendezvous"), str(out)),
-        nprocs=WORLD,
-        join=False,
-        start_method=_start_method(),
-    )
-    problem = None
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not procs.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                problem = f"the workers did not finish within {DEADLINE_S} s"
-                break
-    except Exception as err:  # ProcessRaisedException / ProcessExitedException: the worker's traceback
-        problem = f"a worker failed outside the checks:\n{err}"
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-    results = {}
-    for rank in range(WORLD):
-        path = out / f"rank{rank}.json"
-        results[rank] = json.loads(path.read_text()) if path.exists() else {}
-    return results, problem
+    return run_spawned(_fsdp2_workers.run, WORLD, out, DEADLINE_S, _start_method())
 
 
 @pytest.mark.parametrize("check", list(_fsdp2_workers.CHECKS))
 def test_check(outcome, check):
-    results, problem = outcome
-    failures = []
-    for rank in range(WORLD):
-        status = results[rank].get(check)
-        if status is None:
-            failed = [f"{c} (rank {r})" for r in range(WORLD) for c, s in results[r].items() if s != "ok"]
-            failures.append(f"rank {rank}: not run (earlier failure: {failed or problem})")
-        elif status != "ok":
-            failures.append(f"rank {rank}:\n{status}")
-    if failures:
-        pytest.fail(f"{check} in a {WORLD}-process group:\n" + "\n".join(failures), pytrace=False)
+    fail_unless_ok(*outcome, check, f"in a {WORLD}-process group")
 
 
 # ------------------------------------------------------------------- one process: every raise

@@ -12,15 +12,14 @@ then fail at once in their next collective), and the fixture gives up after ``DE
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
+
+from _rank_checks import fail_unless_ok, run_spawned
 
 from . import _workers
 
@@ -45,47 +44,14 @@ def outcome(request, tmp_path_factory):
     """``(world, {rank: {check: "ok" | traceback}}, problem)`` after running all checks."""
     world = request.param
     out = tmp_path_factory.mktemp(f"vocab_parallel_{world}")
-    procs = tmp.start_processes(
-        _workers.run,
-        args=(world, str(out / "rendezvous"), str(out)),
-        nprocs=world,
-        join=False,
-        start_method=_start_method(),
-    )
-    problem = None
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not procs.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                problem = f"the workers did not finish within {DEADLINE_S} s"
-                break
-    except Exception as err:  # ProcessRaisedException / ProcessExitedException: the worker's traceback
-        problem = f"a worker failed outside the checks:\n{err}"
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-    results = {}
-    for rank in range(world):
-        path = out / f"rank{rank}.json"
-        results[rank] = json.loads(path.read_text()) if path.exists() else {}
+    results, problem = run_spawned(_workers.run, world, out, DEADLINE_S, _start_method())
     return world, results, problem
 
 
 @pytest.mark.parametrize("check", list(_workers.CHECKS))
 def test_check(outcome, check):
     world, results, problem = outcome
-    failures = []
-    for rank in range(world):
-        status = results[rank].get(check)
-        if status is None:
-            failed = [f"{c} (rank {r})" for r in range(world) for c, s in results[r].items() if s != "ok"]
-            failures.append(f"rank {rank}: not run (earlier failure: {failed or problem})")
-        elif status != "ok":
-            failures.append(f"rank {rank}:\n{status}")
-    if failures:
-        pytest.fail(f"{check} in a {world}-process group:\n" + "\n".join(failures), pytrace=False)
+    fail_unless_ok(results, problem, check, f"in a {world}-process group")
 
 
 def test_normalizers_without_process_group():

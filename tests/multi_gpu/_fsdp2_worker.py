@@ -34,10 +34,8 @@ import math
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,6 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import rlkernel as rk
+from _rank_checks import init_torchrun_group, run_checks
 
 COLLECTIVE_TIMEOUT_S = 120
 FULL = dict(vocab=151936, hidden=1024, batch=4, seq=1024)
@@ -328,34 +327,15 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
     parser.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny sizes")
     args = parser.parse_args()
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    if args.smoke:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=timeout)
-        device = torch.device("cpu")
-    else:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    device = init_torchrun_group(args.smoke, COLLECTIVE_TIMEOUT_S)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     size = SMOKE if args.smoke else FULL
     ctx = Ctx(rank=rank, world=world, group=dist.group.WORLD, mesh=mesh, device=device, out=args.out, **size)
     path = os.path.join(args.out, f"rank{rank}.json")
-    results: dict[str, str] = {}
-    for name, fn in checks().items():
-        try:
-            fn(ctx)
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported to the test, then this rank stops
-            results[name] = traceback.format_exc()
-        with open(path, "w") as f:
-            json.dump(results, f)
-        if results[name] != "ok":
-            return 1  # torchrun stops the other rank
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    after_each = torch.cuda.empty_cache if device.type == "cuda" else None
+    if not run_checks(checks().items(), ctx, path, after_each):
+        return 1  # torchrun stops the other rank
     dist.barrier()
     dist.destroy_process_group()
     return 0

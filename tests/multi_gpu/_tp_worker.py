@@ -30,15 +30,14 @@ import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import rlkernel as rk
+from _rank_checks import init_torchrun_group, run_checks
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
 from rlkernel.reference import logprobs as ref
 from rlkernel.rl.config import PRESETS
@@ -313,16 +312,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for rank<r>.json")
     parser.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny sizes")
     args = parser.parse_args()
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    if args.smoke:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=timeout)
-        device = torch.device("cpu")
-    else:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    device = init_torchrun_group(args.smoke, COLLECTIVE_TIMEOUT_S)
     rank, world = dist.get_rank(), dist.get_world_size()
     size = dict(SMOKE if args.smoke else FULL)
     if world != 2:  # an uneven split of V for any world size
@@ -333,17 +323,8 @@ def main() -> int:
         size["split"] = tuple(split)
     ctx = Ctx(rank=rank, world=world, group=dist.group.WORLD, device=device, out=args.out, **size)
     path = os.path.join(args.out, f"rank{rank}.json")
-    results: dict[str, str] = {}
-    for name, fn in checks(args.smoke).items():
-        try:
-            fn(ctx)
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported to the test, then this rank stops
-            results[name] = traceback.format_exc()
-        with open(path, "w") as f:
-            json.dump(results, f)
-        if results[name] != "ok":
-            return 1  # torchrun stops the other ranks
+    if not run_checks(checks(args.smoke).items(), ctx, path):
+        return 1  # torchrun stops the other ranks
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -17,15 +17,12 @@ CPU suite's own FSDP2 tests are ``tests/distributed/test_fsdp2_lm_head.py``).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from _rank_checks import fail_unless_ok, run_torchrun
 
 from . import _fsdp2_worker
 
@@ -42,43 +39,10 @@ def outcome(tmp_path_factory):
     if not SMOKE and torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA devices (a CPU-only machine runs the checks tiny on gloo)")
     out = tmp_path_factory.mktemp("fsdp2")
-    src = Path(__file__).resolve().parents[2] / "src"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")])))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-        str(Path(_fsdp2_worker.__file__)), "--out", str(out), *(["--smoke"] if SMOKE else []),
-    ]  # fmt: skip
     # A session of its own: on the deadline the whole group (torchrun and its workers) is killed.
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    problem = None
-    try:
-        log, _ = proc.communicate(timeout=DEADLINE_S)
-        if proc.returncode != 0:
-            problem = f"torchrun exited with {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        problem = f"the run did not finish within {DEADLINE_S} s (killed)"
-    results = {}
-    for rank in range(WORLD):
-        path = out / f"rank{rank}.json"
-        results[rank] = json.loads(path.read_text()) if path.exists() else {}
-    tail = log.decode(errors="replace")[-4000:]
-    return results, (f"{problem}; output tail:\n{tail}" if problem else None)
+    return run_torchrun(Path(_fsdp2_worker.__file__), out, WORLD, DEADLINE_S, SMOKE)
 
 
 @pytest.mark.parametrize("check", _fsdp2_worker.CHECK_NAMES)
 def test_check(outcome, check):
-    results, problem = outcome
-    failures = []
-    for rank in range(WORLD):
-        status = results[rank].get(check)
-        if status is None:
-            failed = [f"{c} (rank {r})" for r in range(WORLD) for c, s in results[r].items() if s != "ok"]
-            failures.append(f"rank {rank}: not run (earlier failure: {failed or problem})")
-        elif status != "ok":
-            failures.append(f"rank {rank}:\n{status}")
-    if failures:
-        pytest.fail(f"{check} on {WORLD} ranks:\n" + "\n".join(failures), pytrace=False)
+    fail_unless_ok(*outcome, check, f"on {WORLD} ranks")
