@@ -68,6 +68,24 @@ def init_torchrun_group(smoke: bool, timeout_s: float):
     return device
 
 
+def median_ms(fn: Callable[[], None], reps: int) -> float:
+    """Median wall time of ``fn`` in ms (synchronized; on a GPU the queue is drained before each
+    call), after one warm-up call (compiles, allocator)."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 # ------------------------------------------------------------------------------------- parent side
 def read_results(out: Path, world: int) -> dict[int, dict[str, str]]:
     """Each rank's recorded results (empty for a rank that wrote none)."""

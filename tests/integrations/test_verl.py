@@ -103,7 +103,9 @@ def run(fn, batch, agg, config, weights=None, seed=0):
     return loss, metrics, grad
 
 
-def assert_same(ours, theirs, dtype=torch.float32):
+def assert_same(ours, theirs, dtype=torch.float32, metric_rel=None):
+    """Loss and gradient within TOL[dtype], the same metric names in the same order, each metric a
+    float within 1e-6 absolute (and ``metric_rel`` relative, where given)."""
     (loss, metrics, grad), (ref, ref_metrics, ref_grad) = ours, theirs
     tol = TOL[dtype]
     assert torch.isfinite(ref) and torch.isfinite(ref_grad).all()
@@ -113,7 +115,7 @@ def assert_same(ours, theirs, dtype=torch.float32):
     assert list(metrics) == list(ref_metrics)  # same names, same order
     for name, value in ref_metrics.items():
         assert type(metrics[name]) is type(value) is float, name
-        assert metrics[name] == pytest.approx(value, abs=1e-6), name
+        assert metrics[name] == pytest.approx(value, rel=metric_rel, abs=1e-6), name
 
 
 def compare(verl, mode, batch, agg, config, dtype=torch.float32, weights=None):

@@ -29,8 +29,7 @@ import pytest
 import torch
 
 from .test_verl import AGGS, INFOS, POLICY, SETTINGS, make_batch, run
-
-TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+from .test_verl import assert_same as _assert_same
 
 
 def with_rollout_correction(verl, info=None, correction=None, **settings):
@@ -56,16 +55,7 @@ def bypass_config(verl, info=None, **rollout_correction):
 
 
 def assert_same(ours, theirs, dtype=torch.float32):
-    (loss, metrics, grad), (ref, ref_metrics, ref_grad) = ours, theirs
-    tol = TOL[dtype]
-    assert torch.isfinite(ref) and torch.isfinite(ref_grad).all()
-    assert loss.dtype == ref.dtype and loss.shape == ref.shape == ()
-    torch.testing.assert_close(loss, ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(grad, ref_grad, atol=tol, rtol=tol)
-    assert list(metrics) == list(ref_metrics)  # same names, same order
-    for name, value in ref_metrics.items():
-        assert type(metrics[name]) is type(value) is float, name
-        assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+    _assert_same(ours, theirs, dtype, metric_rel=1e-6)
 
 
 def compare(verl, batch, agg, config, dtype=torch.float32):

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import rlkernel as rk
-from _rank_checks import init_torchrun_group, run_checks
+from _rank_checks import init_torchrun_group, median_ms, run_checks
 
 COLLECTIVE_TIMEOUT_S = 120
 FULL = dict(vocab=151936, hidden=1024, batch=4, seq=1024)
@@ -256,20 +256,6 @@ def check_error_path(ctx: Ctx) -> None:
     assert bool(torch.isfinite(logp).all()), "a good call after the error failed"
 
 
-def _median_ms(fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def check_timing_dtensor_vs_plain(ctx: Ctx) -> None:
     """What the gather costs: ``fused_policy_loss`` (dapo) fwd+bwd with the bf16 DTensor head
     (all-gather + reduce-scatter of [V, H]) vs the plain full head. Written to
@@ -288,9 +274,9 @@ def check_timing_dtensor_vs_plain(ctx: Ctx) -> None:
         call(h, weight).backward()
 
     reps = 3 if ctx.device.type == "cpu" else 10
-    dtensor_ms = _median_ms(lambda: step(dw), reps)
+    dtensor_ms = median_ms(lambda: step(dw), reps)
     dist.barrier(group=ctx.group)
-    plain_ms = _median_ms(lambda: step(plain), reps)
+    plain_ms = median_ms(lambda: step(plain), reps)
     dist.barrier(group=ctx.group)
     if ctx.rank == 0:
         info = dict(

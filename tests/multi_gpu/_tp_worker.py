@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernel as rk
-from _rank_checks import init_torchrun_group, run_checks
+from _rank_checks import init_torchrun_group, median_ms, run_checks
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
 from rlkernel.reference import logprobs as ref
 from rlkernel.rl.config import PRESETS
@@ -236,21 +236,6 @@ def check_global_normalizers(ctx: Ctx) -> None:
 MIN_SPEEDUP = 1.8  # issue 15's target for 2 ranks (measured 1.92x on 2x H200, 2026-11-22)
 
 
-def _median_ms(fn: Callable[[], None], reps: int) -> float:
-    """Median wall time of ``fn`` (synchronized; on the GPU the queue is drained before each call)."""
-    fn()  # warm-up (compiles, allocator)
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def check_timing_tp_vs_single_gpu(ctx: Ctx) -> None:
     """Timing: ``linear_token_logprobs`` + entropy fwd+bwd (trainable weight) with the LM head split
     over the ranks vs the whole head on one GPU (every rank times both; rank 0's numbers are written
@@ -268,9 +253,9 @@ def check_timing_tp_vs_single_gpu(ctx: Ctx) -> None:
         torch.autograd.grad((logp * coefs[0]).sum() + (ent * coefs[1]).sum(), [h, w])
 
     reps = 3 if ctx.device.type == "cpu" else 10
-    tp_ms = _median_ms(lambda: fwd_bwd(weight[ctx.rows], ctx.group), reps)
+    tp_ms = median_ms(lambda: fwd_bwd(weight[ctx.rows], ctx.group), reps)
     dist.barrier(group=ctx.group)
-    single_ms = _median_ms(lambda: fwd_bwd(weight, None), reps)
+    single_ms = median_ms(lambda: fwd_bwd(weight, None), reps)
     dist.barrier(group=ctx.group)
     speedup = single_ms / tp_ms
     if ctx.rank == 0:

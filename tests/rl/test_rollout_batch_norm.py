@@ -19,7 +19,7 @@ from rlkernel.rl import rollout
 from rlkernel.rl import token_loss as tl_mod
 
 from . import formulas
-from .helpers import assert_close, config, grads, make_batch
+from .helpers import assert_close, config, grads, make_batch, run
 from .mask_helpers import (
     F32_TOL,
     F64_TOL,
@@ -42,20 +42,6 @@ def _cfg(name, correction, **overrides):
     return config(name, **{**fields, **overrides})
 
 
-def _run(cfg, batch, **kwargs):
-    return rk.policy_loss(
-        batch["logp"],
-        batch["old_logp"],
-        batch["advantages"],
-        batch["mask"],
-        cfg,
-        ref_logp=batch["ref_logp"],
-        rollout_logp=batch["rollout_logp"],
-        entropy=batch["entropy"],
-        **kwargs,
-    )
-
-
 def _oracle(cfg, batch):
     seqs = formulas.sequences_from_padded(
         batch["mask"],
@@ -76,13 +62,13 @@ def _oracle(cfg, batch):
 def test_matches_the_float64_oracle(name, correction, aggregation):
     cfg = _cfg(name, correction, aggregation=aggregation, kl_coef=0.1, entropy_coef=0.02)
     batch = make_batch(5, 7, seed=len(name) + CORRECTIONS.index(correction), per_token_adv=name == "ppo")
-    out = _run(cfg, batch)
+    out = run(cfg, batch)
     want = _oracle(cfg, batch)
     assert_close(out.loss, want)
     for got, exp in zip(grads(out.loss, batch), grads(want, batch), strict=True):
         assert_close(got, exp)
     # Not vacuous: the normalization changes the loss (the mean is not 1 on this batch).
-    plain = _run(rk.PolicyLossConfig(**{**vars(cfg), "rollout_batch_normalize": False}), batch)
+    plain = run(rk.PolicyLossConfig(**{**vars(cfg), "rollout_batch_normalize": False}), batch)
     assert abs(plain.loss.item() - out.loss.item()) > 1e-4
     factor = out.metrics["rollout_norm_factor"]
     assert factor.dtype == out.loss.dtype and abs(factor.item() - 1.0) > 1e-3
@@ -100,7 +86,7 @@ def test_the_factor_is_the_mean_and_the_mean_becomes_one(correction):
         mean = raw[m].mean()
     else:
         mean = torch.stack([raw[i][m[i]][0] for i in range(m.shape[0]) if m[i].any()]).mean()
-    out = _run(cfg, batch)
+    out = run(cfg, batch)
     torch.testing.assert_close(out.metrics["rollout_norm_factor"], mean, **F64_TOL)
     if correction.startswith("token"):  # the applied weights average 1 over the active tokens
         torch.testing.assert_close(out.metrics["rollout_weight_mean"], torch.ones((), dtype=mean.dtype))
@@ -112,15 +98,15 @@ def test_mean_at_most_1e_8_or_nan_leaves_the_weights_alone():
     for correction in ("token_tis", "seq_tis"):
         cfg = _cfg("ppo", correction)
         plain = rk.PolicyLossConfig(**{**vars(cfg), "rollout_batch_normalize": False})
-        out = _run(cfg, far)
-        torch.testing.assert_close(out.loss, _run(plain, far).loss, atol=0, rtol=0)
+        out = run(cfg, far)
+        torch.testing.assert_close(out.loss, run(plain, far).loss, atol=0, rtol=0)
         assert out.metrics["rollout_norm_factor"].item() == 1.0
     rejected = _cfg("ppo", "token_mis", rollout_clip_min=50.0, rollout_clip_max=60.0)  # every w = 0
-    out = _run(rejected, batch)
+    out = run(rejected, batch)
     assert out.metrics["rollout_norm_factor"].item() == 1.0 and math.isfinite(out.loss.item())
     nan = dict(batch, rollout_logp=batch["rollout_logp"].clone())
     nan["rollout_logp"][0, 0] = float("nan")  # (0, 0) is active
-    out = _run(_cfg("ppo", "token_tis"), nan)
+    out = run(_cfg("ppo", "token_tis"), nan)
     assert math.isnan(out.loss.item()) and out.metrics["rollout_norm_factor"].item() == 1.0
 
 
@@ -181,7 +167,7 @@ def test_the_token_level_plan_takes_it(name, correction):
     policy_loss, loss and dL/dlogp)."""
     cfg = _cfg(name, correction, kl_coef=0.1)
     batch = make_batch(4, 6, seed=9, dtype=torch.float32)
-    out = _run(cfg, batch)
+    out = run(cfg, batch)
     (g_logp,) = torch.autograd.grad(out.loss, batch["logp"])
     plan = tl_mod.build_plan(
         cfg,

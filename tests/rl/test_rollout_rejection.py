@@ -20,7 +20,17 @@ from rlkernel.rl import rollout
 from rlkernel.rl.config import ROLLOUT_REJECTIONS
 
 from . import formulas
-from .helpers import AGGREGATIONS, LOSS_CONFIGS, add_garbage, assert_close, config, grads, make_batch, pack
+from .helpers import (
+    AGGREGATIONS,
+    LOSS_CONFIGS,
+    add_garbage,
+    assert_close,
+    config,
+    grads,
+    make_batch,
+    pack,
+    run,
+)
 from .mask_helpers import (
     F32_TOL,
     F64_TOL,
@@ -85,20 +95,6 @@ def _keep_oracle(cfg, old, roll, mask):
     return keep
 
 
-def _run(cfg, batch, **kwargs):
-    return rk.policy_loss(
-        batch["logp"],
-        batch["old_logp"],
-        batch["advantages"],
-        batch["mask"],
-        cfg,
-        ref_logp=batch["ref_logp"],
-        rollout_logp=batch["rollout_logp"],
-        entropy=batch["entropy"],
-        **kwargs,
-    )
-
-
 def _loss_oracle(cfg, batch, keep):
     """The float64 objective on the reduced mask; a correction's weights over the given mask."""
     tensors = dict(
@@ -154,7 +150,7 @@ def test_loss_matches_the_oracle_on_the_reduced_mask(name, criterion):
     cfg = _cfg(criterion, name, kl_coef=0.1, entropy_coef=0.02, aggregation="seq-mean-token-mean")
     batch = _batch(seed=len(name), per_token_adv=name == "ppo")
     keep = _keep_oracle(cfg, batch["old_logp"], batch["rollout_logp"], batch["mask"])
-    out = _run(cfg, batch)
+    out = run(cfg, batch)
     want = _loss_oracle(cfg, batch, keep)
     assert_close(out.loss, want)
     for got, exp in zip(grads(out.loss, batch), grads(want, batch), strict=True):
@@ -172,7 +168,7 @@ def test_with_a_correction_computed_on_the_given_mask(aggregation, correction):
     )
     batch = _batch(seed=9)
     keep = _keep_oracle(cfg, batch["old_logp"], batch["rollout_logp"], batch["mask"])
-    out = _run(cfg, batch)
+    out = run(cfg, batch)
     want = _loss_oracle(cfg, batch, keep)
     assert_close(out.loss, want)
     assert_close(grads(out.loss, batch)[0], grads(want, batch)[0])
@@ -187,26 +183,26 @@ def test_rejected_tokens_leave_the_normalizers():
     whole_rows = (batch["mask"].any(-1) & ~keep.any(-1)).sum()
     assert whole_rows > 0, "some sequence must be rejected whole"
     lp, adv = batch["logp"].detach(), batch["advantages"]
-    out = _run(cfg, batch)
+    out = run(cfg, batch)
     expected = -(adv[:, None] * lp)[keep].sum() / keep.sum()
     assert_close(out.loss, expected)
     seq_cfg = dataclasses.replace(cfg, aggregation="seq-mean-token-sum")
     expected = -(adv[:, None] * lp)[keep].sum() / keep.any(-1).sum()
-    assert_close(_run(seq_cfg, batch).loss, expected)
+    assert_close(run(seq_cfg, batch).loss, expected)
     # two micro-batches with the step's normalizers (counted on the reduced masks) add up to the step
     for c in (cfg, seq_cfg):
         parts = [{k: v[rows] for k, v in batch.items()} for rows in (slice(0, 3), slice(3, 6))]
         masks = [rollout.rejection_mask(c, q["old_logp"], q["rollout_logp"], q["mask"]) for q in parts]
         tokens, seqs = rk.global_normalizers(masks)
-        total = sum(_run(c, q, global_tokens=tokens, global_seqs=seqs).loss for q in parts)
-        torch.testing.assert_close(total, _run(c, batch).loss, **F64_TOL)
+        total = sum(run(c, q, global_tokens=tokens, global_seqs=seqs).loss for q in parts)
+        torch.testing.assert_close(total, run(c, batch).loss, **F64_TOL)
 
 
 def test_packed_equals_padded_and_garbage_is_ignored():
     cfg = _cfg("seq_sum_k3", "cispo", aggregation="seq-mean-token-mean", rollout_correction="seq_tis")
     packed, cu, padded = pack(_batch(seed=3), [7, 2, 5, 1, 6, 3])
-    a = _run(cfg, packed, cu_seqlens=cu)
-    b = _run(cfg, add_garbage(padded))
+    a = run(cfg, packed, cu_seqlens=cu)
+    b = run(cfg, add_garbage(padded))
     torch.testing.assert_close(a.loss, b.loss, **F64_TOL)
     keep_packed = rollout.rejection_mask(
         cfg, packed["old_logp"], packed["rollout_logp"], packed["mask"], cu_seqlens=cu
@@ -227,7 +223,7 @@ def test_non_finite_log_probs_at_an_active_token_give_nan(criterion):
         batch = _batch(seed=4)
         batch[name] = batch[name].clone()
         batch[name][0, 0] = value  # (0, 0) is active
-        assert math.isnan(_run(_cfg(criterion, "reinforce"), batch).loss.item()), (name, value)
+        assert math.isnan(run(_cfg(criterion, "reinforce"), batch).loss.item()), (name, value)
 
 
 # ------------------------------------------------------------------------------ verl's own code

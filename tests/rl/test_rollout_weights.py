@@ -16,7 +16,17 @@ import rlkernel as rk
 from rlkernel.rl import token_loss as tl_mod
 
 from . import formulas
-from .helpers import AGGREGATIONS, LOSS_CONFIGS, add_garbage, assert_close, config, grads, make_batch, pack
+from .helpers import (
+    AGGREGATIONS,
+    LOSS_CONFIGS,
+    add_garbage,
+    assert_close,
+    config,
+    grads,
+    make_batch,
+    pack,
+    run,
+)
 from .mask_helpers import (
     F32_TOL,
     F64_TOL,
@@ -39,18 +49,7 @@ def _weights(batch, seed=0):
 
 
 def _run(cfg, batch, weights, **kwargs):
-    return rk.policy_loss(
-        batch["logp"],
-        batch["old_logp"],
-        batch["advantages"],
-        batch["mask"],
-        cfg,
-        ref_logp=batch["ref_logp"],
-        rollout_logp=batch["rollout_logp"],
-        rollout_weights=weights,
-        entropy=batch["entropy"],
-        **kwargs,
-    )
+    return run(cfg, batch, rollout_weights=weights, **kwargs)
 
 
 def _oracle(cfg, batch, weights, cu=None):
