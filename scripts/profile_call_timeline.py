@@ -1,9 +1,13 @@
 """Where an isolated ``fused_policy_loss`` fwd+bwd call spends its time, on a CUDA machine.
 
     PYTHONPATH=src python3 scripts/profile_call_timeline.py [--vocab 151936 32768] [--cases dapo gspo]
+    PYTHONPATH=src python3 scripts/profile_call_timeline.py --cases hidden_dapo hidden_frozen hidden_logprobs
 
 The bench's users' call pattern (``rlkernel.bench``: logits ``out[:, 127:-1]`` of ``[8, 1152, V]``
-bf16 requiring grad, ragged lengths, default arguments). Per case and vocabulary:
+bf16 requiring grad, ragged lengths, default arguments). The ``hidden_*`` cases are the fused LM
+head's (``rlkernel bench linear``'s ragged rows: hidden ``base[:, 127:-1]`` of ``[8, 1152, 4096]``,
+V = 151,936 whatever ``--vocab`` says): DAPO+KL with a trainable or frozen weight, and
+``linear_token_logprobs(return_entropy=True)``. Per case and vocabulary:
 
 * isolated ms (queue drained before, synchronize after: the bench's isolated timing), back-to-back
   ms per call, and the host ms of a call (perf_counter around the call, no synchronize);
@@ -53,6 +57,105 @@ def _call(case: str, inp: dict):
         return g
 
     return step
+
+
+LINEAR_KINDS = {
+    "hidden_dapo": "ragged_dapo_kl_fwd_bwd",
+    "hidden_frozen": "ragged_dapo_kl_frozen_fwd_bwd",
+    "hidden_logprobs": "ragged_logprobs_entropy_fwd_bwd",
+}
+
+
+def _linear_call(case: str, seed: int = 0):
+    """The bench linear suite's rlkernel call (public API, default arguments) and its fwd+bwd."""
+    from rlkernel.bench import _linear_inputs as li
+
+    kind = li.KINDS[LINEAR_KINDS[case]]
+    inp = li.make_inputs(kind, li.geometry(8192, False), 4096, 151936, DEV, seed=seed)
+    leaves = (inp["base"],) if kind.frozen_weight else (inp["base"], inp["weight"])
+    for t in leaves:
+        t.requires_grad_(True)
+    cfg = loss_config("dapo")
+
+    def step():
+        if not kind.loss:
+            lp, en = rk.linear_token_logprobs(
+                li.hidden(inp), inp["weight"], inp["ids_ignore"], temperature=TEMPERATURE,
+                return_entropy=True,
+            )  # fmt: skip
+            return torch.autograd.grad((lp, en), leaves, inp["grad_out"])
+        loss = rk.fused_policy_loss(
+            cfg, token_ids=inp["ids"], old_logp=inp["old_logp"], advantages=inp["advantages"],
+            mask=inp["mask"], hidden=li.hidden(inp), weight=inp["weight"], temperature=TEMPERATURE,
+            ref_logp=inp["ref_logp"],
+        ).loss  # fmt: skip
+        return torch.autograd.grad(loss, leaves)
+
+    return step
+
+
+# (module, attribute) of the functions whose host entry/exit times ``--host-marks`` records.
+HOST_MARKS = [
+    ("rlkernel.rl.fused", "validate_batch"),
+    ("rlkernel.rl.token_loss", "masked_token_ids"),
+    ("rlkernel.rl.token_loss", "plan_from_batch"),
+    ("rlkernel.ops.id_checks", "check_token_ids"),
+    ("rlkernel.ops._linear_function", "_active_rows"),
+    ("rlkernel.ops._linear_engine", "_Engine.__init__"),
+    ("rlkernel.ops._linear_engine", "_Engine.stage"),
+    ("rlkernel.kernels.linear_head", "stats_partials"),
+    ("rlkernel.kernels.linear_head", "combine_partials"),
+    ("rlkernel.kernels.linear_head", "linear_head_grad_into"),
+    ("rlkernel.ops._linear_function", "whole_batch_grads"),
+]
+
+
+def _host_marks(step, reps=10):
+    """ms from the start of an isolated call (queue drained before) to the first entry and exit of
+    each function of ``HOST_MARKS`` on the host, and to the GPU's completion of the work queued by
+    that exit (a CUDA event), median over ``reps`` calls: how long the GPU waits for the host
+    before each stage, without a profiler's overhead."""
+    import importlib
+
+    marks: dict[str, list] = {}
+    t0 = [0.0]
+    undo = []
+    for mod_name, attr in HOST_MARKS:
+        mod = importlib.import_module(mod_name)
+        owner, name = (getattr(mod, attr.split(".")[0]), attr.split(".")[1]) if "." in attr else (mod, attr)
+        orig = getattr(owner, name)
+
+        def wrapped(*a, _orig=orig, _key=attr, **k):
+            seen = marks.setdefault(_key, [])
+            enter = time.perf_counter() - t0[0]
+            out = _orig(*a, **k)
+            if len(seen) == 0:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                seen.append((enter, time.perf_counter() - t0[0], ev))
+            return out
+
+        setattr(owner, name, wrapped)
+        undo.append((owner, name, orig))
+    rows: dict[str, list] = {}
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            marks.clear()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0[0] = time.perf_counter()
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            marks["(call end)"] = [(0.0, time.perf_counter() - t0[0], end)]
+            for key, seen in marks.items():
+                enter, leave, ev = seen[0]
+                rows.setdefault(key, []).append((enter * 1e3, leave * 1e3, start.elapsed_time(ev)))
+    finally:
+        for owner, name, orig in undo:
+            setattr(owner, name, orig)
+    return {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in rows.items()}
 
 
 def _times(step, iters=50):
@@ -125,28 +228,43 @@ def _cprofile(step, n=50):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocab", type=int, nargs="+", default=[151936, 32768])
-    parser.add_argument("--cases", nargs="+", default=["dapo", "gspo"])
+    cases = ["dapo", "gspo", *LINEAR_KINDS]
+    parser.add_argument("--cases", nargs="+", default=["dapo", "gspo"], choices=cases)
     parser.add_argument("--no-cprofile", action="store_true")
     args = parser.parse_args()
     geo = geometry(8192, smoke=False)
     summary = []
     for v in args.vocab:
         for case in args.cases:
-            kind = KINDS["sliced_dapo_kl_fwd_bwd" if case == "dapo" else "sliced_gspo_fwd_bwd"]
-            inp = make_sliced_inputs(kind, geo, v, DEV, seed=0)
-            inp["base"].requires_grad_(True)
-            step = _call(case, inp)
-            iso, b2b, host = _times(step)
+            if case in LINEAR_KINDS:
+                if v != args.vocab[0]:
+                    continue
+                inp, step, v = None, _linear_call(case), 151936
+            else:
+                kind = KINDS["sliced_dapo_kl_fwd_bwd" if case == "dapo" else "sliced_gspo_fwd_bwd"]
+                inp = make_sliced_inputs(kind, geo, v, DEV, seed=0)
+                inp["base"].requires_grad_(True)
+                step = _call(case, inp)
+            iters = 10 if case in LINEAR_KINDS else 50
+            iso, b2b, host = _times(step, iters)
             rows, busy, end, wall = _timeline(step)
             print(f"\n=== {case} V={v}: isolated {iso:.3f} ms, back-to-back {b2b:.3f} ms, "
                   f"host {host:.3f} ms/call")  # fmt: skip
             print(f"    profiled call: {len(rows)} kernels, GPU busy {busy / 1e3:.3f} ms, "
                   f"last kernel ends at {(end or 0) / 1e3:.3f} ms, "
                   f"idle inside {((end or 0) - busy) / 1e3:.3f} ms")  # fmt: skip
+            prev_end = 0.0
             for s, d, name in rows:
-                print(f"    {s / 1e3:8.3f} ms  {d:8.1f} us  {name}")
+                gap = s - prev_end
+                print(f"    {s / 1e3:8.3f} ms  {d:8.1f} us  (idle before {gap:7.1f} us)  {name}")
+                prev_end = max(prev_end, s + d)
+            if case in LINEAR_KINDS:
+                print("    ms from the call's start (median of 10 calls): host at the first entry, exit; "
+                      "GPU done with the work queued by then")  # fmt: skip
+                for key, (enter, leave, gpu) in sorted(_host_marks(step).items(), key=lambda kv: kv[1][1]):
+                    print(f"    {enter:8.3f} {leave:8.3f} {gpu:8.3f}  {key}")
             if not args.no_cprofile:
-                print(_cprofile(step))
+                print(_cprofile(step, iters))
             summary.append((case, v, iso, b2b, host, len(rows), busy / 1e3, ((end or 0) - busy) / 1e3))
             del inp, step
             torch.cuda.empty_cache()

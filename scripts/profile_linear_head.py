@@ -43,6 +43,10 @@ VARIANTS = {
     "c1024": {"chunk_rows": 1024},
     "bf16_logits": {"logits_dtype": "input"},
     "cublas": {"options": {"linear_head_gemm": "cublas"}},  # cuBLAS chunks + log-softmax kernels
+    # Smaller chunks/groups (the epilogue kernel is row invariant at any M: no logp bit changes).
+    "c1024_g2048": {"chunk_rows": 1024, "grad_rows": 2048},
+    "c1024_g1024": {"chunk_rows": 1024, "grad_rows": 1024},
+    "c512_g512": {"chunk_rows": 512, "grad_rows": 512},
 }
 
 

@@ -231,7 +231,7 @@ class _Engine:
     ):
         self.h, self.w = hidden, weight
         self.idx = row_index
-        self.ids = ids if row_index is None else ids.index_select(0, row_index)
+        self.ids = ids  # all rows' ids (staged through row_index when compacted)
         self.t, self.ii = float(temperature), int(ignore_index)
         self.n, self.hdim = hidden.shape
         if row_index is not None:
@@ -273,7 +273,8 @@ class _Engine:
         self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)
         # fp32 chunk logits: made on first use (the epilogue kernel's primitive never stores any).
         self.z_in_grad, self._zbuf = zdt == dt, None
-        self.idbuf = torch.full((self.cg,), self.ii, dtype=torch.int64, device=dev)
+        # Every id a kernel reads is staged (a group's rows, then ignore_index on its pad rows).
+        self.idbuf = torch.empty(self.cg, dtype=torch.int64, device=dev)
         # The invariant GEMM adds the bias (in its own dtype) to the fp32 accumulator before the
         # one rounding, as the patched LM head does; cuBLAS chunks add it after, in zdt.
         self.bias, self.bias_z = bias, None if bias is None else bias.to(zdt)
@@ -306,13 +307,15 @@ class _Engine:
         hb = self.hbuf
         if self.idx is None:
             hb[:n].copy_(self.h[rows])
+            self.idbuf[:n].copy_(self.ids[rows])
         else:
             torch.index_select(self.h, 0, self.idx[rows], out=hb[:n])
+            torch.index_select(self.ids, 0, self.idx[rows], out=self.idbuf[:n])
         if self.inactive is not None:
             hb[:n].masked_fill_(self.inactive[rows], 0)
-        hb[n:m].zero_()
-        self.idbuf[:n].copy_(self.ids[rows])
-        self.idbuf[n:m].fill_(self.ii)
+        if m > n:  # (each torch call costs host time before the first GEMM: none for nothing)
+            hb[n:m].zero_()
+            self.idbuf[n:m].fill_(self.ii)
         return n, m
 
     def chunk(self, k: int, n: int) -> tuple[slice, torch.Tensor]:

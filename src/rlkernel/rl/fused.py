@@ -403,17 +403,37 @@ def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperatu
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
-    plan = token_loss.plan_from_batch(batch, masked_ids)
+    want_entropy = batch.cfg.entropy_coef != 0
+    if batch.cfg.rollout_rs is None:
+        # The plan's ids are the masked ids: build the plan (~20 small launches of host time) on the
+        # first chunk's coefficients, after that chunk's logits GEMM was queued, instead of before
+        # it, while the GPU would wait.
+        ids, coef_fn = masked_ids[0].reshape(-1), _lazy_coef_fn(batch, masked_ids)
+    else:  # rollout rejection drops tokens from the ids: the plan first
+        plan = token_loss.plan_from_batch(batch, masked_ids)
+        ids, coef_fn = plan.ids, token_loss.as_coef_fn(plan)
     outs = fused_linear_token_loss(
         hidden,
         weight,
         bias,
-        plan.ids,
-        coef_fn=token_loss.as_coef_fn(plan),
+        ids,
+        coef_fn=coef_fn,
         temperature=temperature,
         ignore_index=IGNORE_INDEX,
-        with_entropy=plan.want_entropy,
+        with_entropy=want_entropy,
         invariant_logits=invariant_logits,
     )
-    entropy = outs[2] if plan.want_entropy else None
+    entropy = outs[2] if want_entropy else None
     return _output(outs[0], outs[1], entropy, batch)
+
+
+def _lazy_coef_fn(batch, masked_ids):
+    """``token_loss.as_coef_fn`` of the batch's plan, the plan built on the first call."""
+    built = []
+
+    def coef_fn(rows, logp, entropy):
+        if not built:
+            built.append(token_loss.as_coef_fn(token_loss.plan_from_batch(batch, masked_ids)))
+        return built[0](rows, logp, entropy)
+
+    return coef_fn
