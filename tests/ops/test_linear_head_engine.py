@@ -155,3 +155,43 @@ def test_which_path_runs():
     assert not runs("triton", ww=w[:, :15].contiguous(), hh=h[:, :15])  # 30-byte rows: no TMA
     with pytest.raises(ValueError, match="linear_head_gemm"):
         rk.Options(linear_head_gemm="cutlass")
+
+
+def test_frozen_weight_uses_small_chunks_with_the_same_logprobs(monkeypatch):
+    """With a frozen weight the fused loss's chunks and groups shrink to FROZEN_WEIGHT_ROWS on the
+    epilogue kernel (default sizes only); the log-probs keep their bits (the kernel is row
+    invariant at any M) and dhidden matches the reference."""
+    monkeypatch.setattr(engine, "FROZEN_WEIGHT_ROWS", 16)  # seam: 45 rows make several chunks
+    rows_per_launch = []
+    real = lh.linear_head_stats
+
+    def spy(h, *a, **k):
+        rows_per_launch.append(h.shape[0])
+        return real(h, *a, **k)
+
+    monkeypatch.setattr(lh, "linear_head_stats", spy)  # seam: spy
+    h, w, ids = make(seed=4)
+    coef = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+
+    def run(frozen, **kw):
+        hh, ww = leaves(h, w)
+        ww.requires_grad_(not frozen)
+        coef_fn = autograd_coef_fn(lambda r, lp, e: (coef[r] * lp).sum())
+        rows_per_launch.clear()
+        with rk.use_options(linear_head_gemm="triton"):
+            loss, lp = lf.fused_linear_token_loss(hh, ww, None, ids, coef_fn=coef_fn, **kw)
+        (dh,) = torch.autograd.grad(loss, (hh,))
+        return lp.detach(), dh, list(rows_per_launch)
+
+    active = int((ids != -100).sum())
+    lp_frozen, dh_frozen, launches = run(True)
+    assert launches == [16, 16, active - 32]
+    lp_trained, _, launches = run(False)
+    assert launches == [active]  # a trainable weight keeps the default chunk
+    assert torch.equal(lp_frozen, lp_trained)
+    _, _, launches = run(True, chunk_rows=8, grad_rows=8)
+    assert launches == [8] * (active // 8) + ([active % 8] if active % 8 else [])  # explicit sizes win
+    hh = leaves(h)[0]
+    rlp = ref.linear_token_logprobs(hh, w, ids)
+    (rdh,) = torch.autograd.grad((coef.double() * rlp.double() * (ids != -100)).sum(), (hh,))
+    assert rel(dh_frozen, rdh) <= 1e-2

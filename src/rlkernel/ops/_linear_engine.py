@@ -29,6 +29,11 @@ from rlkernel.kernels import logprobs as lk
 # and the default 1280 MiB budgets: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient
 # groups of 4096 rows (why these budgets: docs/api/options.md).
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 4096
+# Chunk and group rows of the fused loss with a frozen weight on the epilogue kernel: its gradient
+# groups only feed the dhidden GEMM, as fast at M = 1024 as at 4096, and that kernel is row invariant
+# at any M, so the chunk shrinks with them (no logp bit changes). H100, ragged DAPO+KL N = 8192:
+# 25.2 vs 25.4 ms, peak extra 2.69 → 1.08 GB; 512 rows: 0.61 GB but +8 % (benchmarks/NOTES.md).
+FROZEN_WEIGHT_ROWS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +216,9 @@ class _Engine:
     of ``c``. Group buffers: hidden rows ``[cg, H]`` and the gradient ``[cg, V]`` (input dtype); the
     fp32 logits of one chunk ``[c, V]`` (bf16 logits live in the gradient buffer, in place).
 
+    ``dhidden_only`` (the fused loss with a frozen weight): the gradient rows feed dhidden alone;
+    with the epilogue kernel and default sizes, chunks and groups are then ``FROZEN_WEIGHT_ROWS``.
+
     ``row_index`` (padding compaction): the int64 indices of the rows to process (the active ones,
     in order); the engine's rows are then those rows only, numbered ``0 … n − 1`` in that order
     (``groups()`` slices them), gathered into the staging buffer and scattered back into
@@ -228,6 +236,7 @@ class _Engine:
         settings: EngineSettings,
         row_index=None,
         need_dweight: bool = False,
+        dhidden_only: bool = False,
     ):
         self.h, self.w = hidden, weight
         self.idx = row_index
@@ -257,6 +266,8 @@ class _Engine:
         self.zdt = zdt
         self.c = settings.chunk_rows or chunk_rows_for(self.v, zdt, settings.chunk_bytes)
         cg = settings.grad_rows or grad_rows_for(self.v, dt, settings.grad_bytes)
+        if dhidden_only and self.epi and settings.chunk_rows is None and settings.grad_rows is None:
+            self.c = cg = min(self.c, cg, FROZEN_WEIGHT_ROWS)
         self.cg = max(self.c, cg // self.c * self.c)
         # Whole batch: one group of every row (rounded up to whole chunks), when dweight is wanted.
         m_all = self._padded_rows(self.n)

@@ -402,8 +402,9 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
         eng = _Engine(
-            hidden, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w
-        )
+            hidden, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
+            dhidden_only=any_grad and not need_w,
+        )  # fmt: skip
         dev = hidden.device
         # Per-row results in the engine's row order (the active rows only, when compacted).
         logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
