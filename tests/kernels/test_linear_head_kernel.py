@@ -8,6 +8,11 @@ and column tiles, a masked vocabulary tail, several persistent programs per laun
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -325,6 +330,59 @@ def test_rows_bitwise_independent_of_batch():
     mixed = run(mixed_h, mixed_ids, mixed_gl, mixed_ge)
     for a, b in zip(mixed, full, strict=True):
         assert torch.equal(a[3:5], b[sel])
+
+
+# ------------------------------------------------------------------------------ sm_90 compile
+H100_SHARED = 232448  # bytes of shared memory one H100 block may use (227 KB)
+# Every default-config launch variant, compiled to an sm_90 cubin through the real launchers
+# (``rlkernel._sm90_compile`` intercepts the launch; it must run without TRITON_INTERPRET: a
+# subprocess). V = 1000 bf16 is a 2000-byte row pitch: TMA stores; V = 1001: pointer stores.
+_COMPILE_SCRIPT = """
+import sys, torch, triton
+from rlkernel import _sm90_compile
+results, shared = [], []
+_sm90_compile._compile_instead_of_launch(results)
+compile_ = triton.compile
+def compile_and_record(*args, **kwargs):
+    compiled = compile_(*args, **kwargs)
+    shared.append(compiled.metadata.shared)
+    return compiled
+triton.compile = compile_and_record
+from rlkernel.kernels import linear_head as lh
+for dtype in (torch.bfloat16, torch.float32):
+    for vocab in (1000, 1001):
+        h, w = torch.randn(256, 512).to(dtype), torch.randn(vocab, 512).to(dtype)
+        ids, row = torch.randint(0, vocab, (256,)), torch.zeros(256)
+        lh.linear_head_stats(h, w, ids, with_entropy=True, store_z=torch.empty(256, vocab))
+        lh.linear_head_stats(h, w, ids, store_z=torch.empty(256, vocab, dtype=dtype))
+        lh.linear_head_grad_into(h, w, ids, row, row, row, row, torch.empty(256, vocab, dtype=dtype))
+for (status, label, _), nbytes in zip(results, shared + [None] * len(results)):
+    print(status.split()[0], nbytes, label)
+sys.exit(0 if results and all(r[0].startswith("ok ") for r in results) else 1)
+"""
+
+
+@pytest.mark.skipif(
+    "nvidia" not in getattr(pytest.importorskip("triton").backends, "backends", {}),
+    reason="this Triton has no NVIDIA backend (ptxas) to compile with",
+)
+def test_kernels_compile_for_sm90_within_shared_memory():
+    """The compiled path (which the interpreter never takes) builds for the H100 with every
+    constexpr branch the launchers pass, and each kernel's shared memory fits one block."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNEL_BACKEND")}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_SCRIPT)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    report = proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    lines = [line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("ok ")]
+    kernels_seen = {label.split()[0] for _, _, label in lines}
+    expected = {f"linear_head._linear_head_{k}_kernel" for k in ("stats", "grad", "combine")}
+    assert kernels_seen == expected, report
+    assert any("Z_TMA=True STORE_SPLIT=2" in label for *_, label in lines), report  # fp32 z in halves
+    assert any("Z_TMA=False" in label and "STORE_Z=True" in label for *_, label in lines), report
+    assert all(int(nbytes) <= H100_SHARED for _, nbytes, _ in lines), report
 
 
 # ---------------------------------------------------------------------------------- bad input
