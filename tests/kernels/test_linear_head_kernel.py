@@ -25,6 +25,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
 ]
 
 # (atol, rtol) against float64 on the same operands. "fwd": logp/lse/entropy are fp32 results of an
@@ -170,6 +171,26 @@ def test_stats_extreme_logits():
     log_v = torch.log(torch.tensor(float(vocab), dtype=torch.float64))
     assert_close(logp[active], (-log_v).expand(int(active.sum())), tol)
     assert_close(entropy[active], log_v.expand(int(active.sum())), (1e-5, 1e-5))
+
+
+def test_nan_hidden_state_stays_visible():
+    """A NaN in h makes its row's logp, lse and entropy NaN (not silently dropped by a max or a
+    floor) and leaves every other row's bits unchanged."""
+    lh = kernels()
+    h, w, ids = make(7, 16, 100, ignore=())
+    clean = lh.linear_head_stats(h, w, ids, with_entropy=True, config=small())
+    h[2, 5] = float("nan")
+    dirty = lh.linear_head_stats(h, w, ids, with_entropy=True, config=small())
+    others = [0, 1, 3, 4, 5, 6]
+    for a, b in zip(dirty, clean, strict=True):
+        assert torch.isnan(a[2])
+        assert torch.equal(a[others], b[others])
+    # One NaN logit per row (a NaN weight row): a max that skips NaN would leave the row max finite,
+    # and the exponent floor must then keep the NaN rather than floor it to an exact 0.
+    h[2, 5] = 1.0
+    w[37, 3] = float("nan")
+    _, lse, entropy = lh.linear_head_stats(h, w, ids, with_entropy=True, config=small())
+    assert torch.isnan(lse).all() and torch.isnan(entropy).all()
 
 
 def test_out_of_vocab_id_gives_nan_logp():

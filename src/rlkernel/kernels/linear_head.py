@@ -101,6 +101,7 @@ from rlkernel.kernels.matmul import _aligned, _tile_coords
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+D_FLOOR = tl.constexpr(-200.0)  # see the stats epilogue
 
 
 # ---------------------------------------------------------------------------------- configuration
@@ -274,26 +275,31 @@ def _linear_head_stats_kernel(
         if STORE_Z:
             _store_tile(z_out, stride_zm, acc, off_m, off_n, M, V, Z_TMA, STORE_SPLIT)
 
-        # Columns ≥ V hold zeros (zero-filled W rows): −inf, so they add exp(−inf) = 0. Every tile
-        # has a column < V, so the row max is finite (for finite operands). x replaces acc (acc is
-        # dead from here: one [BLOCK_M, BLOCK_N] fp32 tile of registers stays live, not two).
-        x = tl.where((off_n + cols < V)[None, :], acc, float("-inf"))
+        # Columns ≥ V hold zeros (zero-filled W rows): −inf, so they add exp(−inf) = 0. Only the
+        # last column tile has such columns; the others skip the compare and select (2 of the ~8
+        # instructions per element). Every tile has a column < V: the row max is finite (for
+        # finite operands). x replaces acc (one fp32 tile of registers stays live, not two).
+        if off_n + BLOCK_N <= V:
+            x = acc
+        else:
+            x = tl.where((off_n + cols < V)[None, :], acc, float("-inf"))
         # ~1 - (1 - 1/n_t)^BLOCK_M of the tiles hold some row's target (V = 151,936, 128x256: ~19%):
         # only they pay for the select. Done before the exponentials, which are x's last use.
         if tl.max(y_local, axis=0) >= 0:
             x_y = tl.sum(tl.where(cols[None, :] == y_local[:, None], x, 0.0), axis=1)
             tl.store(zy_ptr + rows, x_y * inv_t, mask=mask_m & (y_local >= 0))
         m_x = tl.max(x, axis=1)
-        # d = (z − m)·log2 e ≤ 0 in one FMA (T > 0: the max of x is the max of z).
-        d = x * c - (m_x * c)[:, None]
+        # d = (z − m)·log2 e ≤ 0 in one FMA (T > 0: the max of x is the max of z), floored at
+        # D_FLOOR (−inf on masked columns; NaN kept); exp2 of anything below −149 is 0 in fp32
+        # (the smallest denormal is 2^-149), so the floor changes no sum and makes d·e an exact 0
+        # where it would be −inf·0 = NaN: one max per element instead of a compare and a select.
+        d = tl.maximum(x * c - (m_x * c)[:, None], D_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         e = tl.exp2(d)
         part = pid_n.to(tl.int64) * M + rows
         tl.store(m_part_ptr + part, m_x * inv_t, mask=mask_m)
         tl.store(s_part_ptr + part, tl.sum(e, axis=1), mask=mask_m)
         if WITH_ENTROPY:
-            # −inf·0 = NaN on masked columns: their term is exactly 0.
-            w2 = tl.sum(tl.where(e > 0.0, d * e, 0.0), axis=1)
-            tl.store(w_part_ptr + part, w2 * LN2, mask=mask_m)
+            tl.store(w_part_ptr + part, tl.sum(d * e, axis=1) * LN2, mask=mask_m)
 
 
 @triton.jit(do_not_specialize=["M", "n_tiles", "ignore_index"])
