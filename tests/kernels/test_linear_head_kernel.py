@@ -357,7 +357,8 @@ def test_rows_bitwise_independent_of_batch():
 H100_SHARED = 232448  # bytes of shared memory one H100 block may use (227 KB)
 # Every default-config launch variant, compiled to an sm_90 cubin through the real launchers
 # (``rlkernel._sm90_compile`` intercepts the launch; it must run without TRITON_INTERPRET: a
-# subprocess). V = 1000 bf16 is a 2000-byte row pitch: TMA stores; V = 1001: pointer stores.
+# subprocess). V = 1000 bf16 is a 2000-byte row pitch: TMA stores; V = 1001: pointer stores; fp32
+# operands: the IEEE (FMA) product.
 _COMPILE_SCRIPT = """
 import sys, torch, triton
 from rlkernel import _sm90_compile
@@ -370,13 +371,12 @@ def compile_and_record(*args, **kwargs):
     return compiled
 triton.compile = compile_and_record
 from rlkernel.kernels import linear_head as lh
-for dtype in (torch.bfloat16, torch.float32):
-    for vocab in (1000, 1001):
-        h, w = torch.randn(256, 512).to(dtype), torch.randn(vocab, 512).to(dtype)
-        ids, row = torch.randint(0, vocab, (256,)), torch.zeros(256)
-        lh.linear_head_stats(h, w, ids, with_entropy=True, store_z=torch.empty(256, vocab))
-        lh.linear_head_stats(h, w, ids, store_z=torch.empty(256, vocab, dtype=dtype))
-        lh.linear_head_grad_into(h, w, ids, row, row, row, row, torch.empty(256, vocab, dtype=dtype))
+for dtype, vocab in ((torch.bfloat16, 1000), (torch.bfloat16, 1001), (torch.float32, 1000)):
+    h, w = torch.randn(256, 512).to(dtype), torch.randn(vocab, 512).to(dtype)
+    ids, row = torch.randint(0, vocab, (256,)), torch.zeros(256)
+    lh.linear_head_stats(h, w, ids, with_entropy=True, store_z=torch.empty(256, vocab))
+    lh.linear_head_stats(h, w, ids, store_z=torch.empty(256, vocab, dtype=dtype))
+    lh.linear_head_grad_into(h, w, ids, row, row, row, row, torch.empty(256, vocab, dtype=dtype))
 for (status, label, _), nbytes in zip(results, shared + [None] * len(results)):
     print(status.split()[0], nbytes, label)
 sys.exit(0 if results and all(r[0].startswith("ok ") for r in results) else 1)

@@ -17,11 +17,12 @@ SM looping over ``[BLOCK_M, BLOCK_N]`` output tiles in grouped order, ``_tile_co
 descriptors for ``h`` and ``W``, whose out-of-bounds rows, the vocabulary tail included, are
 zero-filled) with a different epilogue on the fp32 accumulator ``acc``:
 
-    * STATS (``_linear_head_stats_kernel``): per row of the tile, with columns ≥ V masked to −inf,
-      the tile max ``m_t`` (of z), ``s_t = Σ exp(z − m_t)``, with ``WITH_ENTROPY``
-      ``w_t = Σ (z − m_t)·exp(z − m_t)``, and ``z_y`` if the row's target lies in the tile. The
-      exponentials are ``exp2(fma(acc, c, −m·c))`` with ``c = log2(e)/T``: one FMA and one MUFU
-      ``ex2`` per element, ``w_t`` comes back to natural units by one ×ln 2 per row. The partials
+    * STATS (``_linear_head_stats_kernel``): per row of the tile, with columns ≥ V masked to −inf
+      (the last column tile only), the tile max ``m_t`` (of z), ``s_t = Σ exp(z − m_t)``, with
+      ``WITH_ENTROPY`` ``w_t = Σ (z − m_t)·exp(z − m_t)``, and ``z_y`` if the row's target lies in
+      the tile (a branch: only tiles holding some row's target select it). The exponentials are
+      ``exp2(max(fma(acc, c, −m·c), −200))`` with ``c = log2(e)/T``: one FMA, one max and one MUFU
+      ``ex2`` per element; ``w_t`` comes back to natural units by one ×ln 2 per row. The partials
       go to fp32 ``[n_col_tiles, M]`` buffers: a tile writes ``BLOCK_M`` consecutive floats per
       buffer (coalesced) and the combine kernel reads them the same way. With ``STORE_Z`` the raw
       logits x (not z: the model's logits, bitwise the GEMM product, what ``token_logprobs_bwd``
@@ -62,11 +63,18 @@ with entropy, read once more by the combine) instead of the 5 GB fp32 logits the
 writes and then reads once (forward) and once more (backward). GRAD writes M·V·2 bytes (the bf16
 gradient, 2.5 GB at M = 8192) and reads nothing but the operands and 4 floats and an id per row.
 
-Cost model of the epilogue (H100, 128×256 tile, H = 4096): the mainloop is 2·128·256·4096 flops,
-~65k cycles of one SM's tensor cores; the epilogue is 32k exponentials at 16 MUFU ops per cycle,
-~2k cycles (the FP32 work, ~5-8 ops per element at 128 per cycle, overlaps with it): ~3-5% of the
-tile if it does not overlap with the next tile's loads. ``STORE_Z`` in fp32 adds 128 KB of writes
-per tile (async TMA stores, which drain during the next tile's mainloop).
+Cost model of the epilogue (H100, 128×256 tile, 8 warps, H = 4096). The mainloop is
+2·128·256·4096 flops: ~65k cycles of one SM's tensor cores at peak. The STATS epilogue per thread
+(128 logits; sm_90 PTX of Triton 3.9): 128 ``ex2`` (MUFU, 16 per SM per cycle: ~2k cycles per tile)
+and, on a full tile without the target select, ~6 other instructions per logit (FMA, row max,
+floor, two sums' adds/FMAs) at one warp instruction per cycle per scheduler: ~1.5k cycles, partly
+overlapped with the MUFU. So ~2-3k cycles, 3-5% of the mainloop, exposed unless the next tile's
+loads overlap it (``warp_specialize``; with Triton 3.9 on sm_90 the flag produces the same PTX as
+without it). GRAD: one ``ex2`` and ~4 FMAs/selects per logit plus the store: similar. Both kernels
+compile to 255 registers without spills (the accumulator is 128 of them); shared memory: 147 KB
+(STATS), 213 KB (GRAD or STORE_Z: + the 64 KB staging buffer) of the H100's 227 KB.
+``STORE_Z`` in fp32 adds 128 KB of writes per tile (M = 2048: 1.24 GB, ~0.4 ms of HBM time against
+a ~3.4 ms GEMM), of which the first half waits inside the epilogue (see Stores).
 
 Caveats:
     * Needs Triton's TMA API (host ``TensorDescriptor``) and, on a GPU, compute capability ≥ 9.0;
