@@ -148,8 +148,9 @@ class LinearHeadConfig:
 
 
 # The matmul table's M = 8192 vocab cell (``prefill_tma_ws``: 128x256x64, GROUP_M 8, 8 warps, 3
-# stages) without warp specialization (the epilogue's compatibility with it is for the bench to
-# show); fp32: the table's fp32 tile (IEEE FMA, no tensor cores: small tiles).
+# stages) without warp specialization (Triton 3.9 builds the same sm_90 PTX with or without it
+# for these kernels; scripts/bench_linear_head_kernel.py times both on the GPU's Triton); fp32:
+# the table's fp32 tile (IEEE FMA, no tensor cores: small tiles).
 _DEFAULTS = {
     torch.bfloat16: LinearHeadConfig(name="bf16_128x256x64"),
     torch.float16: LinearHeadConfig(name="fp16_128x256x64"),
@@ -167,7 +168,7 @@ def default_config(dtype: torch.dtype) -> LinearHeadConfig:
 def _acc_tile(h_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 ``x[off_m:+BLOCK_M, off_n:+BLOCK_N]``: ``matmul.py``'s TMA mainloop with the K-major
-    weight (``[BLOCK_N, BLOCK_K]`` boxes, transposed in shared memory)."""  # fmt: skip
+    weight (``[BLOCK_N, BLOCK_K]`` boxes, transposed in shared memory)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_tiles):
         a = h_desc.load([off_m, ki * BLOCK_K])
