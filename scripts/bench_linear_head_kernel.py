@@ -185,10 +185,11 @@ def run_m(m: int, first: bool, configs: list, reps: int, t0: float) -> list[tupl
         z32, ids, ref_lse, ref_ent, g_logp, g_ent, grad_buf, **kw), gemm=False)  # fmt: skip
     z32 = None  # 4·M·V bytes: not needed from here on
     if first:
-        ours = lh.linear_head_stats(
-            h, w, ids, temperature=T, ignore_index=IGNORE, with_entropy=True, config=configs[0]
-        )
-        float64_check(h, w, ids, (ours[0], ours[2]), (ref_logp, ref_ent))
+        try:
+            ours = lh.linear_head_stats(h, w, ids, with_entropy=True, config=configs[0], **kw)
+            float64_check(h, w, ids, (ours[0], ours[2]), (ref_logp, ref_ent))
+        except Exception as exc:  # reported, the tables still follow
+            print(f"float64 check with {configs[0].name} failed: {type(exc).__name__}: {exc}"[:300])
 
     def check_stats(out):
         logp, _, ent = out["stats"]

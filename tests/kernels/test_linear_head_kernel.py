@@ -8,6 +8,11 @@ and column tiles, a masked vocabulary tail, several persistent programs per laun
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -20,6 +25,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
 ]
 
 # (atol, rtol) against float64 on the same operands. "fwd": logp/lse/entropy are fp32 results of an
@@ -165,6 +171,26 @@ def test_stats_extreme_logits():
     log_v = torch.log(torch.tensor(float(vocab), dtype=torch.float64, device=logp.device))
     assert_close(logp[active], (-log_v).expand(int(active.sum())), tol)
     assert_close(entropy[active], log_v.expand(int(active.sum())), (1e-5, 1e-5))
+
+
+def test_nan_hidden_state_stays_visible():
+    """A NaN in h makes its row's logp, lse and entropy NaN (not silently dropped by a max or a
+    floor) and leaves every other row's bits unchanged."""
+    lh = kernels()
+    h, w, ids = make(7, 16, 100, ignore=())
+    clean = lh.linear_head_stats(h, w, ids, with_entropy=True, config=small())
+    h[2, 5] = float("nan")
+    dirty = lh.linear_head_stats(h, w, ids, with_entropy=True, config=small())
+    others = [0, 1, 3, 4, 5, 6]
+    for a, b in zip(dirty, clean, strict=True):
+        assert torch.isnan(a[2])
+        assert torch.equal(a[others], b[others])
+    # One NaN logit per row (a NaN weight row): a max that skips NaN would leave the row max finite,
+    # and the exponent floor must then keep the NaN rather than floor it to an exact 0.
+    h[2, 5] = 1.0
+    w[37, 3] = float("nan")
+    _, lse, entropy = lh.linear_head_stats(h, w, ids, with_entropy=True, config=small())
+    assert torch.isnan(lse).all() and torch.isnan(entropy).all()
 
 
 def test_out_of_vocab_id_gives_nan_logp():
@@ -325,6 +351,59 @@ def test_rows_bitwise_independent_of_batch():
     mixed = run(mixed_h, mixed_ids, mixed_gl, mixed_ge)
     for a, b in zip(mixed, full, strict=True):
         assert torch.equal(a[3:5], b[sel])
+
+
+# ------------------------------------------------------------------------------ sm_90 compile
+H100_SHARED = 232448  # bytes of shared memory one H100 block may use (227 KB)
+# Every default-config launch variant, compiled to an sm_90 cubin through the real launchers
+# (``rlkernel._sm90_compile`` intercepts the launch; it must run without TRITON_INTERPRET: a
+# subprocess). V = 1000 bf16 is a 2000-byte row pitch: TMA stores; V = 1001: pointer stores; fp32
+# operands: the IEEE (FMA) product.
+_COMPILE_SCRIPT = """
+import sys, torch, triton
+from rlkernel import _sm90_compile
+results, shared = [], []
+_sm90_compile._compile_instead_of_launch(results)
+compile_ = triton.compile
+def compile_and_record(*args, **kwargs):
+    compiled = compile_(*args, **kwargs)
+    shared.append(compiled.metadata.shared)
+    return compiled
+triton.compile = compile_and_record
+from rlkernel.kernels import linear_head as lh
+for dtype, vocab in ((torch.bfloat16, 1000), (torch.bfloat16, 1001), (torch.float32, 1000)):
+    h, w = torch.randn(256, 512).to(dtype), torch.randn(vocab, 512).to(dtype)
+    ids, row = torch.randint(0, vocab, (256,)), torch.zeros(256)
+    lh.linear_head_stats(h, w, ids, with_entropy=True, store_z=torch.empty(256, vocab))
+    lh.linear_head_stats(h, w, ids, store_z=torch.empty(256, vocab, dtype=dtype))
+    lh.linear_head_grad_into(h, w, ids, row, row, row, row, torch.empty(256, vocab, dtype=dtype))
+for (status, label, _), nbytes in zip(results, shared + [None] * len(results)):
+    print(status.split()[0], nbytes, label)
+sys.exit(0 if results and all(r[0].startswith("ok ") for r in results) else 1)
+"""
+
+
+@pytest.mark.skipif(
+    "nvidia" not in getattr(pytest.importorskip("triton").backends, "backends", {}),
+    reason="this Triton has no NVIDIA backend (ptxas) to compile with",
+)
+def test_kernels_compile_for_sm90_within_shared_memory():
+    """The compiled path (which the interpreter never takes) builds for the H100 with every
+    constexpr branch the launchers pass, and each kernel's shared memory fits one block."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNEL_BACKEND")}
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_SCRIPT)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    report = proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    lines = [line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("ok ")]
+    kernels_seen = {label.split()[0] for _, _, label in lines}
+    expected = {f"linear_head._linear_head_{k}_kernel" for k in ("stats", "grad", "combine")}
+    assert kernels_seen == expected, report
+    assert any("Z_TMA=True STORE_SPLIT=2" in label for *_, label in lines), report  # fp32 z in halves
+    assert any("Z_TMA=False" in label and "STORE_Z=True" in label for *_, label in lines), report
+    assert all(int(nbytes) <= H100_SHARED for _, nbytes, _ in lines), report
 
 
 # ---------------------------------------------------------------------------------- bad input

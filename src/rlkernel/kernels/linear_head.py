@@ -17,11 +17,12 @@ SM looping over ``[BLOCK_M, BLOCK_N]`` output tiles in grouped order, ``_tile_co
 descriptors for ``h`` and ``W``, whose out-of-bounds rows, the vocabulary tail included, are
 zero-filled) with a different epilogue on the fp32 accumulator ``acc``:
 
-    * STATS (``_linear_head_stats_kernel``): per row of the tile, with columns ≥ V masked to −inf,
-      the tile max ``m_t`` (of z), ``s_t = Σ exp(z − m_t)``, with ``WITH_ENTROPY``
-      ``w_t = Σ (z − m_t)·exp(z − m_t)``, and ``z_y`` if the row's target lies in the tile. The
-      exponentials are ``exp2(fma(acc, c, −m·c))`` with ``c = log2(e)/T``: one FMA and one MUFU
-      ``ex2`` per element, ``w_t`` comes back to natural units by one ×ln 2 per row. The partials
+    * STATS (``_linear_head_stats_kernel``): per row of the tile, with columns ≥ V masked to −inf
+      (the last column tile only), the tile max ``m_t`` (of z), ``s_t = Σ exp(z − m_t)``, with
+      ``WITH_ENTROPY`` ``w_t = Σ (z − m_t)·exp(z − m_t)``, and ``z_y`` if the row's target lies in
+      the tile (a branch: only tiles holding some row's target select it). The exponentials are
+      ``exp2(max(fma(acc, c, −m·c), −200))`` with ``c = log2(e)/T``: one FMA, one max and one MUFU
+      ``ex2`` per element; ``w_t`` comes back to natural units by one ×ln 2 per row. The partials
       go to fp32 ``[n_col_tiles, M]`` buffers: a tile writes ``BLOCK_M`` consecutive floats per
       buffer (coalesced) and the combine kernel reads them the same way. With ``STORE_Z`` the raw
       logits x (not z: the model's logits, bitwise the GEMM product, what ``token_logprobs_bwd``
@@ -62,11 +63,18 @@ with entropy, read once more by the combine) instead of the 5 GB fp32 logits the
 writes and then reads once (forward) and once more (backward). GRAD writes M·V·2 bytes (the bf16
 gradient, 2.5 GB at M = 8192) and reads nothing but the operands and 4 floats and an id per row.
 
-Cost model of the epilogue (H100, 128×256 tile, H = 4096): the mainloop is 2·128·256·4096 flops,
-~65k cycles of one SM's tensor cores; the epilogue is 32k exponentials at 16 MUFU ops per cycle,
-~2k cycles (the FP32 work, ~5-8 ops per element at 128 per cycle, overlaps with it): ~3-5% of the
-tile if it does not overlap with the next tile's loads. ``STORE_Z`` in fp32 adds 128 KB of writes
-per tile (async TMA stores, which drain during the next tile's mainloop).
+Cost model of the epilogue (H100, 128×256 tile, 8 warps, H = 4096). The mainloop is
+2·128·256·4096 flops: ~65k cycles of one SM's tensor cores at peak. The STATS epilogue per thread
+(128 logits; sm_90 PTX of Triton 3.9): 128 ``ex2`` (MUFU, 16 per SM per cycle: ~2k cycles per tile)
+and, on a full tile without the target select, ~6 other instructions per logit (FMA, row max,
+floor, two sums' adds/FMAs) at one warp instruction per cycle per scheduler: ~1.5k cycles, partly
+overlapped with the MUFU. So ~2-3k cycles, 3-5% of the mainloop, exposed unless the next tile's
+loads overlap it (``warp_specialize``; with Triton 3.9 on sm_90 the flag produces the same PTX as
+without it). GRAD: one ``ex2`` and ~4 FMAs/selects per logit plus the store: similar. Both kernels
+compile to 255 registers without spills (the accumulator is 128 of them); shared memory: 147 KB
+(STATS), 213 KB (GRAD or STORE_Z: + the 64 KB staging buffer) of the H100's 227 KB.
+``STORE_Z`` in fp32 adds 128 KB of writes per tile (M = 2048: 1.24 GB, ~0.4 ms of HBM time against
+a ~3.4 ms GEMM), of which the first half waits inside the epilogue (see Stores).
 
 Caveats:
     * Needs Triton's TMA API (host ``TensorDescriptor``) and, on a GPU, compute capability ≥ 9.0;
@@ -101,6 +109,7 @@ from rlkernel.kernels.matmul import _aligned, _tile_coords
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+D_FLOOR = tl.constexpr(-200.0)  # see the stats epilogue
 
 
 # ---------------------------------------------------------------------------------- configuration
@@ -142,8 +151,9 @@ class LinearHeadConfig:
 
 
 # The matmul table's M = 8192 vocab cell (``prefill_tma_ws``: 128x256x64, GROUP_M 8, 8 warps, 3
-# stages) without warp specialization (the epilogue's compatibility with it is for the bench to
-# show); fp32: the table's fp32 tile (IEEE FMA, no tensor cores: small tiles).
+# stages) without warp specialization (Triton 3.9 builds the same sm_90 PTX with or without it
+# for these kernels; scripts/bench_linear_head_kernel.py times both on the GPU's Triton); fp32:
+# the table's fp32 tile (IEEE FMA, no tensor cores: small tiles).
 _DEFAULTS = {
     torch.bfloat16: LinearHeadConfig(name="bf16_128x256x64"),
     torch.float16: LinearHeadConfig(name="fp16_128x256x64"),
@@ -161,7 +171,7 @@ def default_config(dtype: torch.dtype) -> LinearHeadConfig:
 def _acc_tile(h_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 ``x[off_m:+BLOCK_M, off_n:+BLOCK_N]``: ``matmul.py``'s TMA mainloop with the K-major
-    weight (``[BLOCK_N, BLOCK_K]`` boxes, transposed in shared memory)."""  # fmt: skip
+    weight (``[BLOCK_N, BLOCK_K]`` boxes, transposed in shared memory)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(k_tiles):
         a = h_desc.load([off_m, ki * BLOCK_K])
@@ -277,26 +287,31 @@ def _linear_head_stats_kernel(
         if STORE_Z:
             _store_tile(z_out, stride_zm, acc, off_m, off_n, M, V, Z_TMA, STORE_SPLIT)
 
-        # Columns ≥ V hold zeros (zero-filled W rows): −inf, so they add exp(−inf) = 0. Every tile
-        # has a column < V, so the row max is finite (for finite operands). x replaces acc (acc is
-        # dead from here: one [BLOCK_M, BLOCK_N] fp32 tile of registers stays live, not two).
-        x = tl.where((off_n + cols < V)[None, :], acc, float("-inf"))
+        # Columns ≥ V hold zeros (zero-filled W rows): −inf, so they add exp(−inf) = 0. Only the
+        # last column tile has such columns; the others skip the compare and select (2 of the ~8
+        # instructions per element). Every tile has a column < V: the row max is finite (for
+        # finite operands). x replaces acc (one fp32 tile of registers stays live, not two).
+        if off_n + BLOCK_N <= V:
+            x = acc
+        else:
+            x = tl.where((off_n + cols < V)[None, :], acc, float("-inf"))
         # ~1 - (1 - 1/n_t)^BLOCK_M of the tiles hold some row's target (V = 151,936, 128x256: ~19%):
         # only they pay for the select. Done before the exponentials, which are x's last use.
         if tl.max(y_local, axis=0) >= 0:
             x_y = tl.sum(tl.where(cols[None, :] == y_local[:, None], x, 0.0), axis=1)
             tl.store(zy_ptr + rows, x_y * inv_t, mask=mask_m & (y_local >= 0))
         m_x = tl.max(x, axis=1)
-        # d = (z − m)·log2 e ≤ 0 in one FMA (T > 0: the max of x is the max of z).
-        d = x * c - (m_x * c)[:, None]
+        # d = (z − m)·log2 e ≤ 0 in one FMA (T > 0: the max of x is the max of z), floored at
+        # D_FLOOR (−inf on masked columns; NaN kept); exp2 of anything below −149 is 0 in fp32
+        # (the smallest denormal is 2^-149), so the floor changes no sum and makes d·e an exact 0
+        # where it would be −inf·0 = NaN: one max per element instead of a compare and a select.
+        d = tl.maximum(x * c - (m_x * c)[:, None], D_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         e = tl.exp2(d)
         part = pid_n.to(tl.int64) * M + rows
         tl.store(m_part_ptr + part, m_x * inv_t, mask=mask_m)
         tl.store(s_part_ptr + part, tl.sum(e, axis=1), mask=mask_m)
         if WITH_ENTROPY:
-            # −inf·0 = NaN on masked columns: their term is exactly 0.
-            w2 = tl.sum(tl.where(e > 0.0, d * e, 0.0), axis=1)
-            tl.store(w_part_ptr + part, w2 * LN2, mask=mask_m)
+            tl.store(w_part_ptr + part, tl.sum(d * e, axis=1) * LN2, mask=mask_m)
 
 
 @triton.jit(do_not_specialize=["M", "n_tiles", "ignore_index"])
