@@ -315,6 +315,70 @@ def test_grad_without_upstream_is_zero():
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
+# ---------------------------------------------------------------- shifted exponents (fused loss)
+SHIFTED_CASES = [  # (M, H, V, dtype, temperature, config kwargs)
+    (37, 64, 300, torch.bfloat16, 0.7, {"block_n": 64}),
+    (5, 16, 100, torch.float16, 1.0, {}),
+]
+
+
+@pytest.mark.parametrize("case", SHIFTED_CASES, ids=lambda c: f"M{c[0]}V{c[2]}-{c[3]}-T{c[4]}")
+def test_shifted_exponents_and_their_gradient(case):
+    """linear_head_stats_shifted: the statistics bitwise those of linear_head_stats, the tile maxima
+    and (z − m_t)·log2 e against float64; linear_head_grad_from_shifted (in place or not) against
+    float64 autograd, closer to it than the same formula on bf16-rounded logits."""
+    m, hidden, vocab, dtype, t, kw = case
+    lh = kernels()
+    cfg = small(**kw)
+    h, w, ids = make(m, hidden, vocab, dtype, seed=11, scale=3.0)  # |z| up to ~20: rounding z hurts
+    plain = lh.linear_head_stats(h, w, ids, temperature=t, ignore_index=IGNORE, with_entropy=True, config=cfg)
+    d = torch.full((m, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    logp, lse, ent, tile_max = lh.linear_head_stats_shifted(
+        h, w, ids, d, temperature=t, ignore_index=IGNORE, with_entropy=True, config=cfg
+    )
+    for got, want in zip((logp, lse, ent), plain, strict=True):
+        assert torch.equal(got, want)
+    z = (h.double() @ w.double().T) / t
+    n_t = -(-vocab // cfg.block_n)
+    zt = torch.nn.functional.pad(z, (0, n_t * cfg.block_n - vocab), value=float("-inf")).view(m, n_t, -1)
+    m_t = zt.amax(-1, keepdim=True)
+    assert_close(tile_max, m_t[..., 0].T, TOLERANCES["fwd"])
+    d_exact = ((zt - m_t) * 1.4426950408889634).clamp_min(-200.0).reshape(m, -1)[:, :vocab]
+    assert_close(d, d_exact, (1e-5, 2**-8 if dtype == torch.float16 else 2**-7))
+
+    g_logp, g_ent = row_grads(m, seed=12)
+    out = torch.full((m, vocab), float("nan"), dtype=dtype, device=DEVICE)
+    kw = {"temperature": t, "ignore_index": IGNORE, "config": cfg}
+    lh.linear_head_grad_from_shifted(d, tile_max, ids, lse, ent, g_logp, g_ent, out, **kw)
+    lh.linear_head_grad_from_shifted(d, tile_max, ids, lse, ent, g_logp, g_ent, **kw)  # in place
+    assert torch.equal(d, out)
+    expected = exact_grad(h, w, ids, t, g_logp, g_ent)
+    scale = expected.abs().max().item()
+    assert_close(out, expected, (2**-7 * scale, 2**-6))
+    # The same formula on logits rounded to the 16-bit dtype (what storing z itself would give).
+    z16 = (h.double() @ w.double().T).to(dtype).double().requires_grad_(True)
+    lp16, en16 = ref.token_logprobs(z16, ids, temperature=t, ignore_index=IGNORE, return_entropy=True)
+    (g16,) = torch.autograd.grad((g_logp.double() * lp16 + g_ent.double() * en16).sum(), (z16,))
+    assert (out.double() - expected).norm() < (g16 - expected).norm()
+    ignored = ids == IGNORE
+    assert torch.equal(out[ignored], torch.zeros_like(out[ignored]))
+
+
+def test_shifted_bad_inputs():
+    lh = kernels()
+    h, w, ids = make(5, 16, 100)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        lh.linear_head_stats_shifted(h, w, ids, torch.empty(5, 100, device=DEVICE), config=small())
+    d = torch.zeros(5, 100, dtype=torch.bfloat16, device=DEVICE)
+    tile_max, row = torch.zeros(4, 5, device=DEVICE), torch.zeros(5, device=DEVICE)
+    with pytest.raises(ValueError, match="entropy must be given"):
+        lh.linear_head_grad_from_shifted(d, tile_max, ids, row, None, None, row, config=small())
+    with pytest.raises(ValueError, match="tile_max"):
+        lh.linear_head_grad_from_shifted(d, tile_max[:3], ids, row, None, row, None, config=small())
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        lh.linear_head_grad_from_shifted(d.float(), tile_max, ids, row, None, row, None, config=small())
+
+
 # ---------------------------------------------------------------------------------- invariance
 def test_rows_bitwise_independent_of_batch():
     """A row's logp/lse/entropy and gradient row are the same bits at M = 37, alone (M = 1, row 0 of

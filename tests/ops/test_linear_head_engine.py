@@ -48,7 +48,8 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        for name in ("linear_head_stats", "linear_head_grad_into"):
+        for name in ("linear_head_stats", "linear_head_grad_into", "linear_head_stats_shifted",
+                     "linear_head_grad_from_shifted"):  # fmt: skip
             real = getattr(lh, name)
             monkeypatch.setattr(lh, name, self._wrap(name, real))  # seam: spy
 
@@ -111,7 +112,8 @@ def test_fused_loss_on_epilogue_kernel(whole_batch, scale, monkeypatch):
         return loss.detach(), lp, torch.autograd.grad(loss * scale, (hh, ww))
 
     loss, lp, grads = run("triton")
-    assert spy.calls and set(spy.calls) == {"linear_head_stats"}  # the chunks' statistics + logits
+    # Each chunk: statistics + shifted exponents from the GEMM, then the gradient from them.
+    assert spy.calls and set(spy.calls) == {"linear_head_stats_shifted", "linear_head_grad_from_shifted"}
     closs, clp, cgrads = run("cublas")
     hh, ww = leaves(h, w)
     rlp, ren = ref.linear_token_logprobs(hh, ww, ids, temperature=0.9, return_entropy=True)
@@ -163,13 +165,13 @@ def test_frozen_weight_uses_small_chunks_with_the_same_logprobs(monkeypatch):
     invariant at any M) and dhidden matches the reference."""
     monkeypatch.setattr(engine, "FROZEN_WEIGHT_ROWS", 16)  # seam: 45 rows make several chunks
     rows_per_launch = []
-    real = lh.linear_head_stats
+    real = lh.linear_head_stats_shifted
 
     def spy(h, *a, **k):
         rows_per_launch.append(h.shape[0])
         return real(h, *a, **k)
 
-    monkeypatch.setattr(lh, "linear_head_stats", spy)  # seam: spy
+    monkeypatch.setattr(lh, "linear_head_stats_shifted", spy)  # seam: spy
     h, w, ids = make(seed=4)
     coef = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(DEVICE)
 

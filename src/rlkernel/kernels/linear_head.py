@@ -253,6 +253,7 @@ def _linear_head_stats_kernel(
     GROUP_M: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     STORE_Z: tl.constexpr,
+    Z_SHIFTED: tl.constexpr,
     Z_TMA: tl.constexpr,
     STORE_SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -262,7 +263,9 @@ def _linear_head_stats_kernel(
 ):
     """Persistent: program p takes tiles p, p + num_programs, … and writes, per (column tile t, row
     r), ``m[t, r]`` = max z, ``s[t, r]`` = Σ exp(z − m), ``w[t, r]`` = Σ (z − m)·exp(z − m) over the
-    tile's columns < V, and ``zy[r]`` = z_y from the tile holding y (no other tile writes it)."""
+    tile's columns < V, and ``zy[r]`` = z_y from the tile holding y (no other tile writes it).
+    ``STORE_Z``: the raw logits x to ``z_out``, or with ``Z_SHIFTED`` the tile-shifted exponents
+    ``d = (z − m[t, r])·log2 e`` (floored at ``D_FLOOR``) that the shifted gradient kernel reads."""
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(V, BLOCK_N)
@@ -284,7 +287,7 @@ def _linear_head_stats_kernel(
 
         acc = _acc_tile(h_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
                         INPUT_PRECISION, INTERPRETED)  # fmt: skip
-        if STORE_Z:
+        if STORE_Z and not Z_SHIFTED:
             _store_tile(z_out, stride_zm, acc, off_m, off_n, M, V, Z_TMA, STORE_SPLIT)
 
         # Columns ≥ V hold zeros (zero-filled W rows): −inf, so they add exp(−inf) = 0. Only the
@@ -306,6 +309,8 @@ def _linear_head_stats_kernel(
         # (the smallest denormal is 2^-149), so the floor changes no sum and makes d·e an exact 0
         # where it would be −inf·0 = NaN: one max per element instead of a compare and a select.
         d = tl.maximum(x * c - (m_x * c)[:, None], D_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        if STORE_Z and Z_SHIFTED:
+            _store_tile(z_out, stride_zm, d, off_m, off_n, M, V, Z_TMA, STORE_SPLIT)
         e = tl.exp2(d)
         part = pid_n.to(tl.int64) * M + rows
         tl.store(m_part_ptr + part, m_x * inv_t, mask=mask_m)
@@ -452,8 +457,70 @@ def _linear_head_grad_kernel(
         _store_tile(g_out, stride_gm, dx, off_m, off_n, M, V, G_TMA, STORE_SPLIT)
 
 
+@triton.jit(do_not_specialize=["M", "ignore_index"])
+def _shifted_grad_kernel(
+    # in/out: the shifted exponents d [M, V] in, the gradient out (same buffer: in place)
+    d_ptr,
+    g_ptr,
+    stride_dm,
+    stride_gm,
+    # inputs
+    m_part_ptr,
+    ids_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logp_ptr,
+    grad_entropy_ptr,
+    # sizes
+    M,
+    V,
+    # runtime scalars
+    temperature,
+    ignore_index,
+    # meta
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_GRAD_LOGP: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+):
+    """Program (row block, column tile t): ∂L/∂x of the tile from the stored ``d = (z − m_t)·log2 e``
+    and the tile's max ``m_t`` (the stats kernel's ``m[t, r]``): ``lp2 = d + (m_t − lse)·log2 e`` is
+    the GRAD kernel's ``(z − lse)·log2 e``, and the formula is that kernel's. Every element is read
+    and written by one program: in place is safe. Ignored rows get exact zeros."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = tl.program_id(1)
+    off_n = t * BLOCK_N
+    cols = off_n + tl.arange(0, BLOCK_N)
+    mask_m = rows < M
+    mask = mask_m[:, None] & (cols < V)[None, :]
+    inv_t = 1.0 / tl.cast(temperature, tl.float32)
+    y = tl.load(ids_ptr + rows, mask=mask_m, other=-1).to(tl.int64)
+    active = mask_m & (y != ignore_index)
+    shift2 = (tl.load(m_part_ptr + t.to(tl.int64) * M + rows, mask=mask_m, other=0.0)
+              - tl.load(lse_ptr + rows, mask=mask_m, other=0.0)) * LOG2E  # fmt: skip
+    a_r = tl.zeros((BLOCK_R,), tl.float32)
+    b_r = tl.zeros((BLOCK_R,), tl.float32)
+    g_y = tl.zeros((BLOCK_R,), tl.float32)
+    if HAS_GRAD_LOGP:
+        g_logp = tl.load(grad_logp_ptr + rows, mask=mask_m, other=0.0) * inv_t
+        a_r += g_logp
+        g_y = g_logp
+    if HAS_GRAD_ENTROPY:
+        g_ent = tl.load(grad_entropy_ptr + rows, mask=mask_m, other=0.0) * inv_t
+        a_r += g_ent * tl.load(entropy_ptr + rows, mask=mask_m, other=0.0)
+        b_r = g_ent * LN2
+    d = tl.load(d_ptr + rows[:, None] * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    lp2 = d + shift2[:, None]
+    p = tl.exp2(lp2)
+    dx = tl.where(cols[None, :] == y[:, None], g_y[:, None], 0.0) - p * (b_r[:, None] * lp2 + a_r[:, None])
+    dx = tl.where(active[:, None], dx, 0.0)
+    tl.store(g_ptr + rows[:, None] * stride_gm + cols[None, :], dx.to(g_ptr.dtype.element_ty), mask=mask)
+
+
 # ------------------------------------------------------------------------------------- launchers
 _launch_combine = FastLauncher(_linear_head_combine_kernel)
+_launch_shifted_grad = FastLauncher(_shifted_grad_kernel)
+SHIFTED_GRAD_ROWS = 16  # rows per program of the shifted gradient kernel (x BLOCK_N columns)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -577,9 +644,11 @@ def stats_partials(
     temperature: float = 1.0,
     with_entropy: bool = False,
     store_z: torch.Tensor | None = None,
+    shifted: bool = False,
     config: LinearHeadConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The STATS GEMM alone (arguments as in :func:`linear_head_stats`): ``(parts, z_y)``.
+    ``shifted``: ``store_z`` receives the tile-shifted exponents (:func:`linear_head_stats_shifted`).
 
     ``parts``: fp32 ``[2 or 3, n_t, M]``, n_t = ceil(V / block_n): per column tile and row the max
     of z, Σ exp(z − max) and (with the entropy) Σ (z − max)·exp(z − max). ``z_y``: fp32 ``[M]``,
@@ -603,7 +672,8 @@ def stats_partials(
         _linear_head_stats_kernel[(programs,)](
             parts[0], parts[1], parts[-1], z_y, z_arg if store_z is not None else z_y, n,
             h_desc, w_desc, ids.contiguous(), m, n, k, programs, temperature,
-            WITH_ENTROPY=with_entropy, STORE_Z=store_z is not None, Z_TMA=z_tma, STORE_SPLIT=split,
+            WITH_ENTROPY=with_entropy, STORE_Z=store_z is not None, Z_SHIFTED=bool(shifted), Z_TMA=z_tma,
+            STORE_SPLIT=split,
             **_gemm_meta(h, cfg),
         )  # fmt: skip
     return parts, z_y
@@ -686,6 +756,104 @@ def linear_head_stats(
     return combine_partials(
         parts, z_y, ids, vocab_size=w.shape[0], ignore_index=ignore_index, config=config
     )
+
+
+def linear_head_stats_shifted(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = False,
+    config: LinearHeadConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`linear_head_stats` that also keeps what the logits gradient needs, in half the bytes of
+    fp32 logits: ``out [M, V]`` (16-bit, contiguous) receives ``d = (z − m_t)·log2 e`` per element,
+    z = x / T shifted by the max ``m_t`` of its row within its ``block_n``-column tile (floored at
+    −200: exp2 of less is 0 in fp32). The entries that carry probability mass have d near 0, where a
+    16-bit value is accurate to ~2⁻⁹·|d| (unshifted bf16 logits lose ~2⁻⁹·|z|, with |z| ≈ 10–30).
+
+    Returns:
+        ``(logp, lse, entropy, tile_max)``: as :func:`linear_head_stats`, plus fp32
+        ``tile_max [n_tiles, M]`` (the m_t) for :func:`linear_head_grad_from_shifted`.
+    """
+    _, ignore_index = _scalars(temperature, ignore_index)
+    out = _check_output("out", out, h, w.shape[0])
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"out must be bf16 or fp16 (the shifted exponents), got {v.describe(out)}")
+    parts, z_y = stats_partials(
+        h, w, ids, temperature=temperature, with_entropy=with_entropy, store_z=out, shifted=True,
+        config=config,
+    )  # fmt: skip
+    logp, lse, entropy = combine_partials(
+        parts, z_y, ids, vocab_size=w.shape[0], ignore_index=ignore_index, config=config
+    )
+    return logp, lse, entropy, parts[0]
+
+
+def linear_head_grad_from_shifted(
+    d: torch.Tensor,
+    tile_max: torch.Tensor,
+    ids: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    grad_out: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    config: LinearHeadConfig | None = None,
+) -> torch.Tensor:
+    """∂L/∂x ``[M, V]`` (L = Σ g_logp·logp + g_ent·entropy, x = h @ w.T) from the shifted exponents
+    ``d`` and ``tile_max`` of :func:`linear_head_stats_shifted` (same temperature and config),
+    written into ``grad_out`` (default: ``d`` itself, in place), rounded once from fp32; one
+    elementwise pass (reads 2 bytes and writes 2 per logit). Ignored rows get 0.
+
+    Args:
+        d: ``[M, V]`` bf16/fp16, contiguous rows; tile_max: fp32 ``[ceil(V / block_n), M]``.
+        ids, lse, entropy, g_logp, g_ent: as in :func:`linear_head_grad_into`.
+        grad_out: ``[M, V]`` 16-bit or fp32, or None (``d``).
+    """
+    cfg = config or LinearHeadConfig()
+    temperature, ignore_index = _scalars(temperature, ignore_index)
+    d = v.float_tensor("d", d)
+    if d.dtype not in (torch.bfloat16, torch.float16) or d.dim() != 2 or d.stride(1) != 1:
+        raise ValueError(f"d must be a bf16/fp16 [M, V] tensor with contiguous rows, got {v.describe(d)}")
+    m, n = d.shape
+    out = d if grad_out is None else _check_output("grad_out", grad_out, d, n)
+    n_tiles = _cdiv(n, cfg.block_n)
+    tile_max = v.float_tensor("tile_max", tile_max)
+    v.same_shape("tile_max", tile_max, "[n_tiles, M]", (n_tiles, m))
+    if tile_max.dtype != torch.float32 or not tile_max.is_contiguous():
+        raise ValueError(f"tile_max must be contiguous fp32, got {v.describe(tile_max)}")
+    ids = v.int_tensor("ids", ids)
+    v.same_shape("ids", ids, "d's rows", (m,))
+    lse = _row_vector("lse", lse, m, d.device)
+    if g_ent is not None and entropy is None:
+        raise ValueError("entropy must be given with g_ent (the gradient of the entropy needs it)")
+    g_logp = _row_vector("g_logp", g_logp, m, d.device) if g_logp is not None else None
+    g_ent = _row_vector("g_ent", g_ent, m, d.device) if g_ent is not None else None
+    entropy = _row_vector("entropy", entropy, m, d.device) if g_ent is not None else None
+    for name, t in (("tile_max", tile_max), ("ids", ids), ("out", out)):
+        v.same_device(name, t, "d", d.device)
+    if m == 0:
+        return out
+    if g_logp is None and g_ent is None:
+        return out.zero_()
+    with _device_guard(d):
+        _launch_shifted_grad(
+            (_cdiv(m, SHIFTED_GRAD_ROWS), n_tiles),
+            (d, out, d.stride(0), out.stride(0), tile_max, ids.contiguous(), lse,
+             entropy if entropy is not None else lse, g_logp if g_logp is not None else lse,
+             g_ent if g_ent is not None else lse, m, n, temperature, ignore_index),
+            {"BLOCK_R": SHIFTED_GRAD_ROWS, "BLOCK_N": cfg.block_n, "HAS_GRAD_LOGP": g_logp is not None,
+             "HAS_GRAD_ENTROPY": g_ent is not None},
+            {"num_warps": 4, "enable_fp_fusion": FP_FUSION},
+        )  # fmt: skip
+    return out
 
 
 def linear_head_grad_into(

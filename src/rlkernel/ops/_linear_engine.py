@@ -282,7 +282,9 @@ class _Engine:
             self.cg = m_all
         self.hbuf = torch.empty(self.cg, self.hdim, dtype=dt, device=dev)
         self.g = torch.empty(self.cg, self.v, dtype=dt, device=dev)
-        # fp32 chunk logits: made on first use (the epilogue kernel's primitive never stores any).
+        # fp32 chunk logits (cuBLAS): made on first use; the epilogue kernel never stores any (its
+        # fused loss keeps 16-bit shifted exponents in the gradient buffer; zdt = fp32 then only
+        # names its fp32 accumulator and sets the chunk rows).
         self.z_in_grad, self._zbuf = zdt == dt, None
         # Every id a kernel reads is staged (a group's rows, then ignore_index on its pad rows).
         self.idbuf = torch.empty(self.cg, dtype=torch.int64, device=dev)
@@ -374,22 +376,29 @@ class _Engine:
             yield k, min(self.c, n - k * self.c)
 
     def forward_chunk(self, k: int, cnt: int, with_entropy: bool, keep_logits: bool):
-        """Chunk k's rows ``sl``, its logits ``z`` (None unless ``keep_logits`` with the epilogue
-        kernel) and fp32 ``(logp, entropy or None, lse)``: ``c`` rows each (cuBLAS, pad rows
-        included), or its ``cnt`` real rows (the epilogue kernel, which stores the fp32 logits only
-        when they are kept, for :meth:`chunk_grad`)."""
+        """Chunk k's rows ``sl``, its logits ``z`` and fp32 ``(logp, entropy or None, lse)``: ``c``
+        rows each (cuBLAS, pad rows included), or its ``cnt`` real rows (the epilogue kernel, whose
+        ``z`` is None unless ``keep_logits``, then the :class:`ShiftedLogits` that
+        :meth:`chunk_grad` reads)."""
         if not self.epi:
             sl, z = self.chunk(k, k * self.c + cnt)
             return (sl, z, *self.stats(sl, z, with_entropy))
         from rlkernel.kernels import linear_head as lh
 
         sl = slice(k * self.c, k * self.c + cnt)
-        z = self.zbuf[:cnt] if keep_logits else None
-        lp, ls, en = lh.linear_head_stats(
-            self.hbuf[sl], self.w, self.idbuf[sl], temperature=self.t, ignore_index=self.ii,
-            with_entropy=with_entropy, store_z=z,
+        if not keep_logits:
+            lp, ls, en = lh.linear_head_stats(
+                self.hbuf[sl], self.w, self.idbuf[sl], temperature=self.t, ignore_index=self.ii,
+                with_entropy=with_entropy,
+            )  # fmt: skip
+            return sl, None, lp, en, ls
+        # The tile-shifted exponents go straight into the chunk's rows of the gradient buffer, where
+        # chunk_grad turns them into the gradient in place: no fp32 chunk logits buffer.
+        lp, ls, en, tile_max = lh.linear_head_stats_shifted(
+            self.hbuf[sl], self.w, self.idbuf[sl], self.g[sl], temperature=self.t,
+            ignore_index=self.ii, with_entropy=with_entropy,
         )  # fmt: skip
-        return sl, z, lp, en, ls
+        return sl, ShiftedLogits(self.g[sl], tile_max), lp, en, ls
 
     def group_stats(self, n: int, with_entropy: bool):
         """fp32 ``(logp, entropy or None, lse)`` ``[n]`` of a staged group (no logits kept): one
@@ -439,6 +448,14 @@ class _Engine:
     def chunk_grad(self, sl, z, lse, entropy, g_logp, g_ent):
         """The chunk's logits gradient into rows ``sl`` of the group's gradient buffer (``z`` and the
         vectors have the rows of ``sl``: ``c``, or the real rows with the epilogue kernel)."""
+        if isinstance(z, ShiftedLogits):
+            from rlkernel.kernels import linear_head as lh
+
+            lh.linear_head_grad_from_shifted(
+                z.exponents, z.tile_max, self.idbuf[sl], lse, entropy, g_logp, g_ent,
+                temperature=self.t, ignore_index=self.ii,
+            )  # fmt: skip
+            return
         _bwd_into(z, self.idbuf[sl], lse, entropy, g_logp, g_ent, self.g[sl], self.t, self.ii)
 
     def group_grads(self, rows, n, m, dh, dw, db):
@@ -476,6 +493,17 @@ class _Engine:
         the chunks' pad rows have zero gradient), for :func:`whole_batch_grads` (now, or in the
         fused loss's backward)."""
         return WholeBatchGrad(self.g[: self.n], self.hbuf[: self.n], self.idx)
+
+
+@dataclasses.dataclass
+class ShiftedLogits:
+    """A chunk's logits as the epilogue kernel keeps them for the gradient: ``exponents`` ``[n, V]``
+    (input dtype; rows of the group's gradient buffer, overwritten by the gradient) holds
+    ``(z − m_t)·log2 e`` per element, ``tile_max`` fp32 ``[n_tiles, n]`` the m_t of each row's
+    column tiles (``kernels.linear_head.linear_head_stats_shifted``)."""
+
+    exponents: torch.Tensor
+    tile_max: torch.Tensor
 
 
 @dataclasses.dataclass
