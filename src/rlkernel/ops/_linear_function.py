@@ -137,6 +137,7 @@ Caveats:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -151,6 +152,7 @@ from rlkernel.ops._linear_engine import (
     _Engine,
     _padded,
     _scatter,
+    hidden_rows,
     whole_batch_grads,
 )
 
@@ -211,7 +213,10 @@ class _LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, return_entropy, settings):
         idx = _active_rows(ids, ignore_index) if settings.compact else None
-        eng = _Engine(hidden, weight, bias, ids, temperature, ignore_index, settings, idx)
+        hr = hidden_rows(hidden, idx)
+        eng = _Engine(
+            hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, hidden_index=hr.index
+        )
         dev = hidden.device
         # Per-row results in the engine's row order (the active rows only, when compacted).
         logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
@@ -244,9 +249,11 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
             return none
+        hr = hidden_rows(hidden, idx)
         eng = _Engine(
-            hidden, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w
-        )
+            hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
+            hidden_index=hr.index,
+        )  # fmt: skip
         gl = None if g_logp is None else g_logp.reshape(-1).to(torch.float32)
         ge = None if g_ent is None else g_ent.reshape(-1).to(torch.float32)
         if idx is not None:  # the active rows' upstream gradients, in the engine's order
@@ -262,7 +269,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
             )  # fmt: skip
             if eng.whole:
                 dh, dw, db = whole_batch_grads(
-                    eng.whole_buffers(), weight, hidden.shape[0], need_h, need_w, need_b
+                    eng.whole_buffers(), weight, hr.rows.shape[0], need_h, need_w, need_b
                 )
             else:
                 eng.group_grads(rows, n, m, dh, dw, db)
@@ -271,7 +278,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         del eng
         dw = _finish_dweight(dw, weight.dtype, None)
         db = None if db is None else db.to(bias.dtype)
-        return dh, dw, db, None, None, None, None, None
+        return hr.grad(dh), dw, db, None, None, None, None, None
 
 
 def _settings(
@@ -302,8 +309,15 @@ def _settings(
 
 
 def _flatten(hidden, token_ids):
+    """``(hidden as [N, H], flat int64 ids)``; a 3-D hidden that is not viewable as ``[N, H]`` (a
+    slice of a longer sequence) stays 3-D: the Functions read its rows in place where they can
+    (``_linear_engine.hidden_rows``) instead of copying it here."""
+    ids = token_ids.reshape(-1).long()
+    b, t = (hidden.shape[0], hidden.shape[1]) if hidden.dim() == 3 else (1, 1)
+    if hidden.dim() == 3 and b > 1 and hidden.stride(0) != t * hidden.stride(1):
+        return hidden, ids
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
-    return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), token_ids.reshape(-1).long()
+    return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), ids
 
 
 def linear_token_logprobs_triton(
@@ -401,9 +415,10 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
+        hr = hidden_rows(hidden, idx)
         eng = _Engine(
-            hidden, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
-            dhidden_only=any_grad and not need_w,
+            hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
+            dhidden_only=any_grad and not need_w, hidden_index=hr.index,
         )  # fmt: skip
         dev = hidden.device
         # Per-row results in the engine's row order (the active rows only, when compacted).
@@ -439,8 +454,9 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         del eng
         if ctx.whole is not None:
             ctx.save_for_backward(weight)
-            ctx.needs = (need_h, need_w, need_b, hidden.shape[0])
+            ctx.needs = (need_h, need_w, need_b, hr.rows.shape[0])
         ctx.grads = (dh, dw, db)
+        ctx.hidden_grad = dataclasses.replace(hr, rows=None, index=None).grad  # dhidden rows → hidden's shape
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
             logp = _scatter(logp, idx, ids.numel())
@@ -471,7 +487,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             dh = None if dh is None else dh * scale
             dw = None if dw is None else (dw * scale).to(w_dtype)
             db = None if db is None else (db * scale).to(b_dtype)
-            return dh, dw, db, None, None, None, None, None, None
+            return ctx.hidden_grad(dh), dw, db, None, None, None, None, None, None
         ctx.grads = None  # the buffers become the caller's gradients
         if dh is not None:
             dh = dh.mul_(scale)  # in place, computed in fp32 (opmath); exact for g == 1
@@ -480,7 +496,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             dw = _finish_dweight(dw, w_dtype, scale)
         if db is not None:
             db = (db * scale).to(b_dtype)
-        return dh, dw, db, None, None, None, None, None, None
+        return ctx.hidden_grad(dh), dw, db, None, None, None, None, None, None
 
 
     @staticmethod
@@ -499,7 +515,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             wb, weight, n_rows, need_h, need_w, need_b, scale=g_loss.to(torch.float32)
         )
         db = None if db is None else db.to(ctx.dtypes[1])
-        return dh, dw, db, None, None, None, None, None, None
+        return ctx.hidden_grad(dh), dw, db, None, None, None, None, None, None
 
 
 def fused_linear_token_loss(
