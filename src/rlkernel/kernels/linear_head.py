@@ -375,6 +375,34 @@ def _linear_head_combine_kernel(
         tl.store(entropy_ptr + rows, tl.where(active, log_s - w_sum / s_sum, 0.0), mask=mask)
 
 
+@triton.jit
+def _row_grad_terms(rows, mask_m, grad_logp_ptr, grad_entropy_ptr, entropy_ptr, inv_t,
+                    HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):
+    """Per row of a tile, the gradient's coefficients (module docstring): ``(g_y, a_r, b_r)`` with
+    g_y = g_logp/T, a_r = (g_logp + g_H·H)/T, b_r = g_H·ln 2/T (zeros for an absent upstream)."""  # fmt: skip
+    a_r = tl.zeros(rows.shape, tl.float32)
+    b_r = tl.zeros(rows.shape, tl.float32)
+    g_y = tl.zeros(rows.shape, tl.float32)
+    if HAS_GRAD_LOGP:
+        g_logp = tl.load(grad_logp_ptr + rows, mask=mask_m, other=0.0) * inv_t
+        a_r += g_logp
+        g_y = g_logp
+    if HAS_GRAD_ENTROPY:
+        g_ent = tl.load(grad_entropy_ptr + rows, mask=mask_m, other=0.0) * inv_t
+        a_r += g_ent * tl.load(entropy_ptr + rows, mask=mask_m, other=0.0)
+        b_r = g_ent * LN2
+    return g_y, a_r, b_r
+
+
+@triton.jit
+def _grad_tile(lp2, is_target, active, g_y, a_r, b_r):
+    """dx = [y == k]·g_y − p·(a_r + b_r·lp2), p = exp2(lp2), lp2 = (z − lse)·log2 e; exact zeros on
+    ignored rows (even where exp2 overflowed: their lse is 0, not the row's)."""
+    p = tl.exp2(lp2)
+    dx = tl.where(is_target, g_y[:, None], 0.0) - p * (b_r[:, None] * lp2 + a_r[:, None])
+    return tl.where(active[:, None], dx, 0.0)
+
+
 @triton.jit(do_not_specialize=["M", "num_programs", "ignore_index"])
 def _linear_head_grad_kernel(
     # output
@@ -433,27 +461,13 @@ def _linear_head_grad_kernel(
         active = mask_m & (y != ignore_index)
         y_local = _target_in_tile(y, off_n, V, BLOCK_N)
         lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * LOG2E
-        a_r = tl.zeros((BLOCK_M,), tl.float32)
-        b_r = tl.zeros((BLOCK_M,), tl.float32)
-        g_y = tl.zeros((BLOCK_M,), tl.float32)
-        if HAS_GRAD_LOGP:
-            g_logp = tl.load(grad_logp_ptr + rows, mask=mask_m, other=0.0) * inv_t
-            a_r += g_logp
-            g_y = g_logp
-        if HAS_GRAD_ENTROPY:
-            g_ent = tl.load(grad_entropy_ptr + rows, mask=mask_m, other=0.0) * inv_t
-            a_r += g_ent * tl.load(entropy_ptr + rows, mask=mask_m, other=0.0)
-            b_r = g_ent * LN2
+        g_y, a_r, b_r = _row_grad_terms(rows, mask_m, grad_logp_ptr, grad_entropy_ptr, entropy_ptr, inv_t,
+                                        HAS_GRAD_LOGP, HAS_GRAD_ENTROPY)  # fmt: skip
 
         acc = _acc_tile(h_desc, w_desc, off_m, off_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
                         INPUT_PRECISION, INTERPRETED)  # fmt: skip
         lp2 = acc * c - lse2[:, None]
-        p = tl.exp2(lp2)
-        dx = tl.where(cols[None, :] == y_local[:, None], g_y[:, None], 0.0) - p * (
-            b_r[:, None] * lp2 + a_r[:, None]
-        )
-        # Ignored rows: exact zeros even where exp2 overflowed (their lse is 0, not the row's).
-        dx = tl.where(active[:, None], dx, 0.0)
+        dx = _grad_tile(lp2, cols[None, :] == y_local[:, None], active, g_y, a_r, b_r)
         _store_tile(g_out, stride_gm, dx, off_m, off_n, M, V, G_TMA, STORE_SPLIT)
 
 
@@ -498,22 +512,10 @@ def _shifted_grad_kernel(
     active = mask_m & (y != ignore_index)
     shift2 = (tl.load(m_part_ptr + t.to(tl.int64) * M + rows, mask=mask_m, other=0.0)
               - tl.load(lse_ptr + rows, mask=mask_m, other=0.0)) * LOG2E  # fmt: skip
-    a_r = tl.zeros((BLOCK_R,), tl.float32)
-    b_r = tl.zeros((BLOCK_R,), tl.float32)
-    g_y = tl.zeros((BLOCK_R,), tl.float32)
-    if HAS_GRAD_LOGP:
-        g_logp = tl.load(grad_logp_ptr + rows, mask=mask_m, other=0.0) * inv_t
-        a_r += g_logp
-        g_y = g_logp
-    if HAS_GRAD_ENTROPY:
-        g_ent = tl.load(grad_entropy_ptr + rows, mask=mask_m, other=0.0) * inv_t
-        a_r += g_ent * tl.load(entropy_ptr + rows, mask=mask_m, other=0.0)
-        b_r = g_ent * LN2
+    g_y, a_r, b_r = _row_grad_terms(rows, mask_m, grad_logp_ptr, grad_entropy_ptr, entropy_ptr, inv_t,
+                                    HAS_GRAD_LOGP, HAS_GRAD_ENTROPY)  # fmt: skip
     d = tl.load(d_ptr + rows[:, None] * stride_dm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    lp2 = d + shift2[:, None]
-    p = tl.exp2(lp2)
-    dx = tl.where(cols[None, :] == y[:, None], g_y[:, None], 0.0) - p * (b_r[:, None] * lp2 + a_r[:, None])
-    dx = tl.where(active[:, None], dx, 0.0)
+    dx = _grad_tile(d + shift2[:, None], cols[None, :] == y[:, None], active, g_y, a_r, b_r)
     tl.store(g_ptr + rows[:, None] * stride_gm + cols[None, :], dx.to(g_ptr.dtype.element_ty), mask=mask)
 
 
