@@ -35,16 +35,17 @@ def test_hidden_rows_reads_a_slice_in_place():
     hidden = base[:, P - 1 : -1]
     idx = (ids.reshape(-1) != -100).nonzero().squeeze(1)
     hr = engine.hidden_rows(hidden, idx)
-    assert hr.step == P + T and hr.rows.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert hr.layout.step == P + T
+    assert hr.rows.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     assert torch.equal(hr.rows.index_select(0, hr.index), hidden.reshape(-1, H)[idx])
     dh = torch.zeros(hr.rows.shape, dtype=base.dtype, device=DEVICE)
     dh.index_copy_(0, hr.index, hidden.reshape(-1, H)[idx])
     want = torch.zeros_like(hidden)
     want.reshape(-1, H)[idx] = hidden.reshape(-1, H)[idx]
-    assert torch.equal(hr.grad(dh), want)
+    assert torch.equal(hr.layout.grad(dh), want)
     # No compaction (every row read): the flattening copy; 2-D and viewable inputs: as they are.
-    assert engine.hidden_rows(hidden, None).step == 0
-    assert engine.hidden_rows(base, idx).step == 0 and engine.hidden_rows(base, idx).index is None
+    assert engine.hidden_rows(hidden, None).layout.step == 0
+    assert engine.hidden_rows(base, idx).layout.step == 0 and engine.hidden_rows(base, idx).index is None
     flat = base.reshape(-1, H)
     assert engine.hidden_rows(flat, idx).rows is flat
 

@@ -583,16 +583,12 @@ def _dweight_buffer(weight, accum):
 
 
 @dataclasses.dataclass(frozen=True)
-class HiddenRows:
-    """How the engine reads the rows of the caller's ``hidden`` ``[..., H]``: ``rows`` ``[R, H]``
-    (index_select reads it; dhidden is built in its row space), ``index`` the positions in it of the
-    engine's rows (None: ``rows`` is hidden flattened and the engine's ``row_index`` applies), and
-    what turns a ``[R, H]`` dhidden into hidden's shape."""
+class HiddenLayout:
+    """Where the rows of the caller's ``hidden`` ``[..., H]`` sit in the engine's ``[R, H]`` row space:
+    ``step`` 0, hidden flattened; else ``step`` storage rows per index of hidden's first dim."""
 
-    rows: torch.Tensor
-    index: torch.Tensor | None
     shape: torch.Size
-    step: int  # 0: rows is hidden flattened; else storage rows per step of hidden's first dim
+    step: int
 
     def grad(self, dh: torch.Tensor | None) -> torch.Tensor | None:
         """dhidden ``[R, H]`` (contiguous) as a gradient of hidden's shape (a view, no copy)."""
@@ -600,6 +596,17 @@ class HiddenRows:
             return None if dh is None else dh.view(self.shape)
         h = self.shape[-1]
         return dh.as_strided(self.shape, (self.step * h, h, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenRows:
+    """How the engine reads the caller's ``hidden``: ``rows`` ``[R, H]`` (index_select reads it;
+    dhidden is built in its row space), ``index`` the positions in it of the engine's rows (None:
+    ``rows`` is hidden flattened and the engine's ``row_index`` applies), ``layout`` the way back."""
+
+    rows: torch.Tensor
+    index: torch.Tensor | None
+    layout: HiddenLayout
 
 
 def hidden_rows(hidden: torch.Tensor, row_index: torch.Tensor | None) -> HiddenRows:
@@ -611,8 +618,9 @@ def hidden_rows(hidden: torch.Tensor, row_index: torch.Tensor | None) -> HiddenR
     ``[N, H]`` copy (67 MB at N = 8192, H = 4096). Otherwise the flattening copy."""
     hdim = hidden.shape[-1]
     n = hidden.shape[:-1].numel()
+    flat = HiddenLayout(hidden.shape, 0)
     if hidden.dim() == 2:
-        return HiddenRows(hidden, None, hidden.shape, 0)
+        return HiddenRows(hidden, None, flat)
     if hidden.dim() == 3 and row_index is not None and n > 0 and hidden.stride(2) == 1:
         b, t = hidden.shape[0], hidden.shape[1]
         s0, s1 = hidden.stride(0), hidden.stride(1)
@@ -621,8 +629,10 @@ def hidden_rows(hidden: torch.Tensor, row_index: torch.Tensor | None) -> HiddenR
         if not viewable and s1 >= hdim and s0 % s1 == 0 and s0 // s1 >= t:
             step = s0 // s1
             rows = hidden.as_strided(((b - 1) * step + t, hdim), (s1, 1))
-            return HiddenRows(rows, row_index + (row_index // t) * (step - t), hidden.shape, step)
-    return HiddenRows(hidden.reshape(n, hdim), None, hidden.shape, 0)
+            index = row_index + (row_index // t) * (step - t)
+            return HiddenRows(rows, index, HiddenLayout(hidden.shape, step))
+    # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
+    return HiddenRows(hidden.reshape(n, hdim), None, flat)
 
 
 def _active_rows(ids: torch.Tensor, ignore_index: int) -> torch.Tensor | None:

@@ -90,7 +90,8 @@ output dtype, so each row's logits, and then its log-probs from the same log-sof
 any M, so a chunk's GEMM covers its real rows only (the pad rows are ignored and never read).
 Backward as above (cuBLAS, at the logits the forward used).
 
-Memory model (b = 4 for fp32 chunk logits, 2 for bf16):
+Memory model of the cuBLAS chunks (b = 4 for fp32 chunk logits, 2 for bf16; the epilogue kernel of
+``kernels/linear_head.py`` keeps no chunk logits: docs/guides/linear-path.md):
 
     chunk/group     C·V·b fp32 logits (none with bf16 logits: they live in the gradient buffer)
                     + G·V·2 gradient + G·H·2 staged hidden
@@ -137,7 +138,6 @@ Caveats:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -278,7 +278,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         del eng
         dw = _finish_dweight(dw, weight.dtype, None)
         db = None if db is None else db.to(bias.dtype)
-        return hr.grad(dh), dw, db, None, None, None, None, None
+        return hr.layout.grad(dh), dw, db, None, None, None, None, None
 
 
 def _settings(
@@ -309,12 +309,11 @@ def _settings(
 
 
 def _flatten(hidden, token_ids):
-    """``(hidden as [N, H], flat int64 ids)``; a 3-D hidden that is not viewable as ``[N, H]`` (a
-    slice of a longer sequence) stays 3-D: the Functions read its rows in place where they can
-    (``_linear_engine.hidden_rows``) instead of copying it here."""
+    """``(hidden, flat int64 ids)``: hidden as ``[N, H]``, or 3-D as given — the Functions read a 3-D
+    hidden's rows through ``_linear_engine.hidden_rows`` (in place for a slice of longer sequences,
+    which a reshape here would copy)."""
     ids = token_ids.reshape(-1).long()
-    b, t = (hidden.shape[0], hidden.shape[1]) if hidden.dim() == 3 else (1, 1)
-    if hidden.dim() == 3 and b > 1 and hidden.stride(0) != t * hidden.stride(1):
+    if hidden.dim() == 3:
         return hidden, ids
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
     return hidden.reshape(hidden.shape[:-1].numel(), hidden.shape[-1]), ids
@@ -456,7 +455,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             ctx.save_for_backward(weight)
             ctx.needs = (need_h, need_w, need_b, hr.rows.shape[0])
         ctx.grads = (dh, dw, db)
-        ctx.hidden_grad = dataclasses.replace(hr, rows=None, index=None).grad  # dhidden rows → hidden's shape
+        ctx.hidden_layout = hr.layout  # dhidden rows → hidden's shape
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
             logp = _scatter(logp, idx, ids.numel())
@@ -487,7 +486,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             dh = None if dh is None else dh * scale
             dw = None if dw is None else (dw * scale).to(w_dtype)
             db = None if db is None else (db * scale).to(b_dtype)
-            return ctx.hidden_grad(dh), dw, db, None, None, None, None, None, None
+            return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
         ctx.grads = None  # the buffers become the caller's gradients
         if dh is not None:
             dh = dh.mul_(scale)  # in place, computed in fp32 (opmath); exact for g == 1
@@ -496,7 +495,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             dw = _finish_dweight(dw, w_dtype, scale)
         if db is not None:
             db = (db * scale).to(b_dtype)
-        return ctx.hidden_grad(dh), dw, db, None, None, None, None, None, None
+        return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
 
 
     @staticmethod
@@ -515,7 +514,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             wb, weight, n_rows, need_h, need_w, need_b, scale=g_loss.to(torch.float32)
         )
         db = None if db is None else db.to(ctx.dtypes[1])
-        return ctx.hidden_grad(dh), dw, db, None, None, None, None, None, None
+        return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
 
 
 def fused_linear_token_loss(

@@ -28,7 +28,9 @@ the checks complete and are read; read buffers are kept for reuse (pinned alloca
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,28 @@ def raise_pending_errors(wait: bool = True) -> None:
 
             first = decode_first(key)[1]
             raise ValueError(check.token_ids_message(p.what, count, p.vocab_size, p.ignore_index, first))
+
+
+@contextlib.contextmanager
+def token_ids_checked(
+    what: str,
+    ids: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int | None,
+    *,
+    defer: bool,
+    active: torch.Tensor | None = None,
+) -> Iterator[None]:
+    """:func:`check_token_ids` around a block that launches the caller's kernels: before the block
+    when the check reads its result at once (not ``defer``, or ids off CUDA: it raises before any
+    kernel reads a bad id); after it when deferred, so that its launches queue behind the block's
+    kernels instead of delaying the first of them (no sync either way). Not run if the block raises."""
+    late = defer and ids.device.type == "cuda"
+    if not late:
+        check_token_ids(what, ids, vocab_size, ignore_index, defer=defer, active=active)
+    yield
+    if late:
+        check_token_ids(what, ids, vocab_size, ignore_index, defer=defer, active=active)
 
 
 def check_token_ids(

@@ -7,7 +7,7 @@ inputs), are differentiable, and give 0 with no gradient where ``token_ids == ig
 
 from __future__ import annotations
 
-import functools
+import contextlib
 
 import torch
 
@@ -214,25 +214,19 @@ def linear_token_logprobs(
             return_entropy=return_entropy,
         )
     ids = check_linear_inputs(hidden, weight, token_ids, bias, temperature, ignore_index)
-    check_ids = None
+    checked = contextlib.nullcontext()
     if validate:
         backend = _dispatch.resolve_backend(hidden.device, has_kernel=_linear_kernel_available(hidden.dtype))
-        defer = backend == "triton"
-        check_ids = functools.partial(
-            id_checks.check_token_ids, "token_ids", ids, weight.shape[0], ignore_index, defer=defer
+        # Deferred (Triton): queued after the forward's kernels, so it does not delay the first GEMM
+        # (the kernels read a bad id safely: a NaN log-prob until the check's error is raised).
+        checked = id_checks.token_ids_checked(
+            "token_ids", ids, weight.shape[0], ignore_index, defer=backend == "triton"
         )
-        if not defer or not hidden.is_cuda:
-            check_ids()  # raises here, before any kernel reads a bad id
-            check_ids = None
-    out = linear_token_logprobs_checked(
-        hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=return_entropy, invariant_logits=inv_dtype,
-    )  # fmt: skip
-    if check_ids is not None:
-        # Queued after the forward's kernels, so its launches do not delay the first GEMM (no sync;
-        # the kernels read a bad id safely: a NaN log-prob until the check's error is raised).
-        check_ids()
-    return out
+    with checked:
+        return linear_token_logprobs_checked(
+            hidden, weight, ids, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            return_entropy=return_entropy, invariant_logits=inv_dtype,
+        )  # fmt: skip
 
 
 def invariant_logits_dtype(

@@ -59,6 +59,7 @@ Caveats:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -244,25 +245,18 @@ def fused_policy_loss(
         check_linear_inputs(hidden, weight, ids, bias, temperature, IGNORE_INDEX)
         vocab = weight.shape[0]
     opts = current_options()
-    check_ids = validate and not tp
-    if check_ids:
+    checked = contextlib.nullcontext()
+    if validate and not tp:
         # On the active positions only, none exempt: an active id equal to IGNORE_INDEX is an error
         # (masked_token_ids sends it to the kernels as -1: a NaN log-prob meanwhile, never dropped).
         x = logits if logits is not None else hidden
         deferred_ok = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64) == "triton"
-        check_ids = functools.partial(
-            id_checks.check_token_ids, "token_ids (at active mask positions)", token_ids, vocab, None,
-            defer=deferred_ok, active=active,
-        )  # fmt: skip
-        if not deferred_ok or x.device.type != "cuda":
-            check_ids()  # raises here, before any kernel reads a bad id
-            check_ids = None
-    out = _run(cfg, batch, (ids, active), logits, hidden, weight, bias, temperature, tp_group, validate,
-               inplace_backward, opts, inv_dtype)  # fmt: skip
-    if check_ids:
-        # Queued after the loss's kernels, so its small launches do not delay them (no sync).
-        check_ids()
-    return out
+        checked = id_checks.token_ids_checked(
+            "token_ids (at active mask positions)", token_ids, vocab, None, defer=deferred_ok, active=active
+        )
+    with checked:
+        return _run(cfg, batch, (ids, active), logits, hidden, weight, bias, temperature, tp_group,
+                    validate, inplace_backward, opts, inv_dtype)  # fmt: skip
 
 
 def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_group, validate,
