@@ -66,12 +66,23 @@ LINEAR_KINDS = {
 }
 
 
-def _linear_call(case: str, seed: int = 0):
+def _linear_floor(case: str, tokens: int, seed: int = 0):
+    """The bench linear suite's GEMM floor of the case (its cuBLAS GEMMs over the scored rows)."""
+    from rlkernel.bench import _linear_baselines as lb
+    from rlkernel.bench import _linear_inputs as li
+
+    kind = li.KINDS[LINEAR_KINDS[case]]
+    inp = li.make_inputs(kind, li.geometry(tokens, False), 4096, 151936, DEV, seed=seed)
+    call = lb.gemm_call(kind, [inp], seed)
+    return lambda: call(0)
+
+
+def _linear_call(case: str, tokens: int = 8192, seed: int = 0):
     """The bench linear suite's rlkernel call (public API, default arguments) and its fwd+bwd."""
     from rlkernel.bench import _linear_inputs as li
 
     kind = li.KINDS[LINEAR_KINDS[case]]
-    inp = li.make_inputs(kind, li.geometry(8192, False), 4096, 151936, DEV, seed=seed)
+    inp = li.make_inputs(kind, li.geometry(tokens, False), 4096, 151936, DEV, seed=seed)
     leaves = (inp["base"],) if kind.frozen_weight else (inp["base"], inp["weight"])
     for t in leaves:
         t.requires_grad_(True)
@@ -207,6 +218,35 @@ def _timeline(step):
     return rows, busy, end, call.time_range.elapsed_us()
 
 
+def _by_kernel(rows) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, total ms) of a profiled call's kernels, largest total first."""
+    totals: dict[str, list] = {}
+    for _, d, name in rows:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += d / 1e3
+    return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda x: -x[2])
+
+
+def _accounting(case: str, tokens: int, step, iso: float) -> None:
+    """Where the isolated call's time over the GEMM floor goes: the profiled call's kernels by name
+    next to the floor's (its cuBLAS GEMMs, profiled the same way), the GPU's idle time before the
+    first kernel and between kernels."""
+    floor = _linear_floor(case, tokens)
+    floor_iso = _times(floor, 10)[0]
+    f_rows, f_busy, _, _ = _timeline(floor)
+    rows, busy, end, _ = _timeline(step)
+    first = rows[0][0] if rows else 0.0
+    print(f"    accounting at N = {tokens}: isolated {iso:.3f} ms vs the floor's {floor_iso:.3f} ms "
+          f"(floor kernels {f_busy / 1e3:.3f} ms)")  # fmt: skip
+    print(f"      GPU idle before the first kernel {first / 1e3:.3f} ms, between kernels "
+          f"{((end or 0) - first - busy) / 1e3:.3f} ms; kernels {busy / 1e3:.3f} ms "
+          f"(+{(busy - f_busy) / 1e3:.3f} over the floor's)")  # fmt: skip
+    for label, table in (("floor", _by_kernel(f_rows)), ("call", _by_kernel(rows))):
+        for name, count, total in table[:14]:
+            print(f"      {label:5s} {total:8.3f} ms  {count:4d}x  {name}")
+
+
 def _cprofile(step, n=50):
     """cProfile of ``n`` isolated calls (the queue drained between calls, outside the profile), so
     no function's time includes waiting for the GPU: rlkernel's functions by cumulative time, then
@@ -231,47 +271,60 @@ def main() -> None:
     cases = ["dapo", "gspo", *LINEAR_KINDS]
     parser.add_argument("--cases", nargs="+", default=["dapo", "gspo"], choices=cases)
     parser.add_argument("--no-cprofile", action="store_true")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192],
+                        help="N of the hidden_* cases (the bench linear suite's 8192 and 65536)")
+    parser.add_argument("--no-kernel-list", action="store_true",
+                        help="skip the per-kernel timeline (long at N = 65,536)")
+    parser.add_argument("--accounting", action="store_true",
+                        help="hidden_* cases: kernels by name next to the GEMM floor's")  # fmt: skip
     args = parser.parse_args()
     geo = geometry(8192, smoke=False)
-    summary = []
+    runs = []  # (case, V, N of the hidden_* cases or None)
     for v in args.vocab:
         for case in args.cases:
-            if case in LINEAR_KINDS:
-                if v != args.vocab[0]:
-                    continue
-                inp, step, v = None, _linear_call(case), 151936
-            else:
-                kind = KINDS["sliced_dapo_kl_fwd_bwd" if case == "dapo" else "sliced_gspo_fwd_bwd"]
-                inp = make_sliced_inputs(kind, geo, v, DEV, seed=0)
-                inp["base"].requires_grad_(True)
-                step = _call(case, inp)
-            iters = 10 if case in LINEAR_KINDS else 50
-            iso, b2b, host = _times(step, iters)
-            rows, busy, end, wall = _timeline(step)
-            print(f"\n=== {case} V={v}: isolated {iso:.3f} ms, back-to-back {b2b:.3f} ms, "
-                  f"host {host:.3f} ms/call")  # fmt: skip
-            print(f"    profiled call: {len(rows)} kernels, GPU busy {busy / 1e3:.3f} ms, "
-                  f"last kernel ends at {(end or 0) / 1e3:.3f} ms, "
-                  f"idle inside {((end or 0) - busy) / 1e3:.3f} ms")  # fmt: skip
+            if case not in LINEAR_KINDS:
+                runs.append((case, v, None))
+            elif v == args.vocab[0]:  # the fused LM head's cases: V = 151,936 whatever --vocab says
+                runs.extend((case, 151936, n) for n in args.tokens)
+    summary = []
+    for case, v, tokens in runs:
+        if tokens is not None:
+            inp, step = None, _linear_call(case, tokens)
+        else:
+            kind = KINDS["sliced_dapo_kl_fwd_bwd" if case == "dapo" else "sliced_gspo_fwd_bwd"]
+            inp = make_sliced_inputs(kind, geo, v, DEV, seed=0)
+            inp["base"].requires_grad_(True)
+            step = _call(case, inp)
+        iters = 10 if tokens is not None else 50
+        iso, b2b, host = _times(step, iters)
+        rows, busy, end, wall = _timeline(step)
+        label = f"{case} V={v}" + (f" N={tokens}" if tokens is not None else "")
+        print(f"\n=== {label}: isolated {iso:.3f} ms, back-to-back {b2b:.3f} ms, host {host:.3f} ms/call")
+        print(f"    profiled call: {len(rows)} kernels, GPU busy {busy / 1e3:.3f} ms, "
+              f"last kernel ends at {(end or 0) / 1e3:.3f} ms, "
+              f"idle inside {((end or 0) - busy) / 1e3:.3f} ms")  # fmt: skip
+        if not args.no_kernel_list:
             prev_end = 0.0
             for s, d, name in rows:
                 gap = s - prev_end
                 print(f"    {s / 1e3:8.3f} ms  {d:8.1f} us  (idle before {gap:7.1f} us)  {name}")
                 prev_end = max(prev_end, s + d)
-            if case in LINEAR_KINDS:
-                print("    ms from the call's start (median of 10 calls): host at the first entry, exit; "
-                      "GPU done with the work queued by then")  # fmt: skip
-                for key, (enter, leave, gpu) in sorted(_host_marks(step).items(), key=lambda kv: kv[1][1]):
-                    print(f"    {enter:8.3f} {leave:8.3f} {gpu:8.3f}  {key}")
-            if not args.no_cprofile:
-                print(_cprofile(step, iters))
-            summary.append((case, v, iso, b2b, host, len(rows), busy / 1e3, ((end or 0) - busy) / 1e3))
-            del inp, step
-            torch.cuda.empty_cache()
-    print("\ncase   V        isolated  b2b     host    kernels  GPU busy  GPU idle in call (ms)")
-    for case, v, iso, b2b, host, nk, busy, idle in summary:
-        print(f"{case:6s} {v:7d}  {iso:7.3f}  {b2b:7.3f} {host:7.3f}  {nk:6d}  {busy:8.3f}  {idle:8.3f}")
-
+        if tokens is not None:
+            print("    ms from the call's start (median of 10 calls): host at the first entry, exit; "
+                  "GPU done with the work queued by then")  # fmt: skip
+            for key, (enter, leave, gpu) in sorted(_host_marks(step).items(), key=lambda kv: kv[1][1]):
+                print(f"    {enter:8.3f} {leave:8.3f} {gpu:8.3f}  {key}")
+            if args.accounting:
+                _accounting(case, tokens, step, iso)
+        if not args.no_cprofile:
+            print(_cprofile(step, iters))
+        idle = ((end or 0) - busy) / 1e3
+        summary.append((case, v, tokens or 0, iso, b2b, host, len(rows), busy / 1e3, idle))
+        del inp, step
+        torch.cuda.empty_cache()
+    print("\ncase            V       N      isolated  b2b      host    kernels  GPU busy  idle in call (ms)")
+    for case, v, n, iso, b2b, host, nk, busy, idle in summary:
+        print(f"{case:15s} {v:7d} {n:6d}  {iso:8.3f} {b2b:7.3f} {host:7.3f} {nk:6d} {busy:8.3f} {idle:6.3f}")
 
 if __name__ == "__main__":
     main()

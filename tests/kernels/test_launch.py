@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
 
 import rlkernel as rk
 from rlkernel.kernels import _launch
@@ -37,6 +38,41 @@ def test_arg_class_separates_what_triton_specializes_on():
     for other in ("tf32", None, True):
         with pytest.raises(TypeError, match="no fast-launch class"):
             cls(other)
+
+
+def test_descriptor_class_is_dtype_block_shape_and_layout_options():
+    """A host TMA descriptor: Triton specializes on dtype and block shape (the map itself is encoded
+    from base, shape and strides at every launch), so those and padding / rank separate classes,
+    while another base, shape or stride does not."""
+    tensor_descriptor = pytest.importorskip("triton.tools.tensor_descriptor")
+    desc = tensor_descriptor.TensorDescriptor
+    cls = _launch._arg_class
+    a = torch.randn(64, 128).bfloat16()
+    b = torch.randn(256, 64).bfloat16()
+    assert cls(desc.from_tensor(a, [16, 32])) == cls(desc.from_tensor(b, [16, 32]))  # other base/shape
+    assert cls(desc.from_tensor(a, [16, 32])) == cls(desc.from_tensor(a[8:], [16, 32]))
+    assert cls(desc.from_tensor(a, [16, 32])) != cls(desc.from_tensor(a, [32, 32]))
+    assert cls(desc.from_tensor(a, [16, 32])) != cls(desc.from_tensor(a.half(), [16, 32]))
+    assert cls(desc.from_tensor(a, [16, 32])) != cls(desc.from_tensor(a, [16, 32], padding="nan"))
+    assert cls(desc.from_tensor(a[0], [32])) != cls(desc.from_tensor(a, [1, 32]))
+    assert cls(desc.from_tensor(a, [16, 32])) != cls(a)
+
+
+def _two_constexprs(x_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr):  # never launched
+    pass
+
+
+def test_constexprs_out_of_signature_order_are_refused():
+    """The fast path passes constexprs positionally; the first launch of a key checks their order
+    (a compiled ``JITFunction``: the interpreter's functions never take the fast path)."""
+    from triton.runtime.jit import JITFunction
+
+    launcher = _launch.FastLauncher(JITFunction(_two_constexprs))
+    launcher._check_order({"BLOCK": 32, "FLAG": True})
+    with pytest.raises(ValueError, match="signature order"):
+        launcher._check_order({"FLAG": True, "BLOCK": 32})
+    with pytest.raises(ValueError, match="signature order"):
+        launcher._check_order({"BLOCK": 32})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors run kernels only in the interpreter")
@@ -131,3 +167,40 @@ def test_rms_norm_and_attention_fast_launch_are_bitwise_tritons():
     fast, slow = _both(lambda: ka.attention_fwd(q, k, v, scale=0.09, key_start=key_start))
     assert all(torch.equal(f, s) for f, s in zip(fast, slow, strict=True))
     assert ka._launch_fwd.hits > 0 and kr._launch_fwd.hits > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_linear_head_gemms_fast_launch_with_descriptors_is_bitwise_tritons():
+    """The LM-head GEMMs take TMA descriptor arguments (operands, TMA-stored outputs): the fast
+    launch runs them (hits grow) with Triton's own bits, for a full and a ragged row count."""
+    from rlkernel.kernels import linear_head as lh
+
+    if not lh.can_run(torch.empty(8, 64, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("the LM-head kernel needs TMA (sm90+)")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(1000, 256, device="cuda", generator=g).bfloat16()
+    hits = lh._launch_stats.hits, lh._launch_grad.hits
+    for m in (256, 77):
+        h = torch.randn(m, 256, device="cuda", generator=g).bfloat16()
+        ids = torch.randint(0, 1000, (m,), device="cuda", generator=g)
+        ids[3] = -100
+        out = torch.empty(m, 1000, device="cuda", dtype=torch.bfloat16)
+
+        def shifted(h=h, ids=ids, out=out):
+            stats = lh.linear_head_stats_shifted(h, w, ids, out, with_entropy=True)
+            return (*stats, out.clone())
+
+        fast, slow = _both(shifted)
+        assert all(torch.equal(f, s) for f, s in zip(fast, slow, strict=True))
+        logp, lse, entropy, _ = fast[:4]
+        gl = torch.randn(m, device="cuda", generator=g)
+        ge = torch.randn(m, device="cuda", generator=g)
+
+        def grad(h=h, ids=ids, out=out, lse=lse, entropy=entropy, gl=gl, ge=ge):
+            lh.linear_head_grad_into(h, w, ids, lse, entropy, gl, ge, out)
+            return out.clone()
+
+        fast, slow = _both(grad)
+        assert torch.equal(fast, slow)
+    assert lh._launch_stats.hits > hits[0] and lh._launch_grad.hits > hits[1]

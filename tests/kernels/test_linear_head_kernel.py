@@ -260,6 +260,47 @@ def test_partials_per_column_tile():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("tiles_per_step", [8, 64])
+def test_combine_folds_many_tiles_like_float64(tiles_per_step):
+    """``combine_partials`` on random partials of 37 column tiles (several steps of
+    ``combine_tiles``, a masked tail, rows beyond the last program's): lse, entropy and logp match
+    the float64 fold; a row's bits do not depend on how many rows are combined with it."""
+    lh = kernels()
+    g = torch.Generator().manual_seed(3)
+    n_tiles, m, vocab = 37, 19, 37 * 32
+    mx = torch.randn(n_tiles, m, generator=g, dtype=torch.float64) * 4
+    s = torch.rand(n_tiles, m, generator=g, dtype=torch.float64) * 31 + 1  # Σ over a tile: in [1, 32]
+    w_ = -torch.rand(n_tiles, m, generator=g, dtype=torch.float64) * s * 3  # Σ (z − m)·e^{z−m} ≤ 0
+    z_y = mx[5] - torch.rand(m, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (m,), generator=g)
+    ids[4] = IGNORE
+    parts = torch.stack([mx, s, w_]).float().to(DEVICE)
+    z_y, ids = z_y.to(DEVICE), ids.to(DEVICE)
+    cfg = small(combine_tiles=tiles_per_step)
+    logp, lse, entropy = lh.combine_partials(
+        parts, z_y.float(), ids, vocab_size=vocab, ignore_index=IGNORE, config=cfg
+    )
+    p64 = parts.double()
+    top = p64[0].max(0).values
+    scale = torch.exp(p64[0] - top)
+    big_s = (p64[1] * scale).sum(0)
+    big_w = (scale * (p64[2] + (p64[0] - top) * p64[1])).sum(0)
+    ref_lse = top + torch.log(big_s)
+    ref_ent = torch.log(big_s) - big_w / big_s
+    active = ids != IGNORE
+    tol = {"rtol": 0, "atol": 2e-5}
+    torch.testing.assert_close(lse[active].double(), ref_lse[active], **tol)
+    torch.testing.assert_close(entropy[active].double(), ref_ent[active], **tol)
+    torch.testing.assert_close(logp[active].double(), (z_y.float().double() - ref_lse)[active], **tol)
+    assert logp[4] == 0 and lse[4] == 0 and entropy[4] == 0
+    few = lh.combine_partials(
+        parts[:, :, :7].contiguous(), z_y.float()[:7], ids[:7], vocab_size=vocab, ignore_index=IGNORE,
+        config=cfg,
+    )
+    for a, b in zip(few, (logp, lse, entropy), strict=True):
+        assert torch.equal(a, b[:7])
+
+
 def test_zero_rows():
     lh = kernels()
     h, w, ids = make(4, 16, 100)

@@ -21,8 +21,13 @@ with one key always map to the same compiled kernel: the fast path launches exac
 Triton's own path would have launched (``tests/kernels/test_launch.py`` checks the outputs bitwise
 on the GPU).
 
+A host TMA descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``) is an argument like a
+tensor: Triton specializes it on its dtype and block shape only (the compiled launcher encodes the
+``CUtensorMap`` from the descriptor's base, shape and strides at every launch, on both paths), so
+its class is (dtype, block shape, rank, padding, tf32 rounding).
+
 Falls back to Triton's own launch, with no change in results, when: the CPU interpreter runs (no
-compiled kernel), an argument is of another type (bool, None, a tensor descriptor), a launch hook
+compiled kernel), an argument is of another type (bool, None, a device-side descriptor), a launch hook
 is installed (profilers such as proton: they see every launch as before), or this Triton's
 ``CompiledKernel`` lacks the attributes used here (``run``, ``function``, ``packed_metadata``: such
 a kernel is not kept).
@@ -49,19 +54,34 @@ from rlkernel._options import current_options
 FP_FUSION = True
 
 
+try:  # Triton >= 3.4: host TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor as _HostDescriptor
+except ImportError:  # pragma: no cover - older Triton: a descriptor argument takes Triton's launch
+    _HostDescriptor = None
+
+
+def _descriptor_class(d) -> tuple:
+    """The class of a host TMA descriptor: what Triton specializes on (dtype, block shape) and
+    what else shapes the compiled signature or the encoded map (rank, padding, tf32 rounding)."""
+    return ("tensordesc", d.base.dtype, tuple(d.block_shape), len(d.shape), d.padding,
+            getattr(d, "round_f32_to_tf32", False))  # fmt: skip
+
+
 def _classes(args: tuple) -> list:
     """The specialization class of each runtime argument (hashable). Raises TypeError or
-    AttributeError for a type other than int, float or tensor (the caller then takes Triton's own
-    launch). One comprehension, no call per argument: this runs on every launch.
+    AttributeError for a type other than int, float, tensor or host TMA descriptor (the caller then
+    takes Triton's own launch). One comprehension, no call per argument: this runs on every launch.
 
     An int in [-16, 16] stands for itself; a larger one maps to 100 + (multiple of 16) + 2 × (needs
     64 bits) + 4 × (needs unsigned 64 bits), so no class of one collides with a value of the other.
-    A tensor maps to (dtype, address mod 16); a float to ``float``."""
+    A tensor maps to (dtype, address mod 16); a float to ``float``; a host descriptor to
+    :func:`_descriptor_class`."""
     return [
         (a if -16 <= a <= 16 else 100 + (a & 15 == 0) + 2 * (not -2147483648 <= a <= 2147483647)
          + 4 * (a > 9223372036854775807))
         if type(a) is int
         else float if type(a) is float
+        else _descriptor_class(a) if type(a) is _HostDescriptor
         else (a.dtype, a.data_ptr() & 15)
         for a in args
     ]  # fmt: skip
@@ -114,6 +134,8 @@ class FastLauncher:
             options: launch options (``num_warps``, ``num_stages``, ``enable_fp_fusion``, …).
         """
         first = args[0]
+        if type(first) is _HostDescriptor:  # the device and the interpreter test read its tensor
+            first = first.base
         # The option fast_launch=False (the host-overhead script times both) is read here, at the one
         # place every launch passes, rather than threaded through each launcher's arguments.
         if not first.is_cuda or not current_options().fast_launch:  # interpreter: nothing to keep
@@ -128,6 +150,7 @@ class FastLauncher:
         compiled = self._compiled.get(key)
         if compiled is None or _hooks_installed():
             compiled = self.kernel[grid](*args, **constexprs, **options)
+            self._check_order(constexprs)
             self._remember(key, compiled)
             return
         n = len(grid)
@@ -139,6 +162,20 @@ class FastLauncher:
             None, None, None, *args, *constexprs.values(),
         )  # fmt: skip
         self.hits += 1
+
+    def _check_order(self, constexprs: dict[str, object]) -> None:
+        """The fast path passes the constexprs positionally: a caller's dict out of signature order
+        would launch with swapped values, so the first launch of each key checks it (Triton's own
+        launch, by keyword, has just run correctly)."""
+        params = getattr(self.kernel, "params", None)
+        if params is None:  # another Triton: nothing to compare with
+            return
+        expected = [p.name for p in params if p.is_constexpr]
+        if list(constexprs) != expected:
+            raise ValueError(
+                f"FastLauncher({self.kernel.__name__}): constexprs must be in signature order "
+                f"{expected}, got {list(constexprs)}"
+            )
 
     def _remember(self, key: tuple, compiled: object) -> None:
         # Kept only if it has what the direct launch calls (a Triton whose CompiledKernel differs,

@@ -27,8 +27,9 @@ zero-filled) with a different epilogue on the fp32 accumulator ``acc``:
       buffer (coalesced) and the combine kernel reads them the same way. With ``STORE_Z`` the raw
       logits x (not z: the model's logits, bitwise the GEMM product, what ``token_logprobs_bwd``
       reads with its temperature) also go out, in the buffer's dtype (fp32 or the input's).
-      The combine kernel (one program per ``combine_rows`` rows) folds the partials over the column
-      tiles in increasing order: ``mx = max_t m_t``; ``S = Σ_t s_t·e^{m_t − mx}``;
+      The combine kernel (one program per ``combine_rows`` rows, ``combine_tiles`` column tiles per
+      step: a tree sum within a step, the steps in increasing tile order) folds the partials:
+      ``mx = max_t m_t``; ``S = Σ_t s_t·e^{m_t − mx}``;
       ``W = Σ_t e^{m_t − mx}·(w_t + (m_t − mx)·s_t)``; lse = mx + log S, H = log S − W/S (the
       ``_reduce.py`` form, no lse − E[z] cancellation), logp = z_y − lse.
     * GRAD (``_linear_head_grad_kernel``): from the saved lse and entropy, per element
@@ -119,7 +120,8 @@ class LinearHeadConfig:
     depend on ``block_n`` (the partials' tiling) and ``block_k``/the MMA kind (the GEMM's order);
     never on M. ``flatten``/``warp_specialize``: ``tl.range`` options of the persistent tile loop.
     ``tma_store``/``store_bytes``: how an output tile (``store_z``, the gradient) is stored (see the
-    module docstring); ``combine_rows``: rows per program of the combine kernel."""
+    module docstring); ``combine_rows`` × ``combine_tiles``: the combine kernel's block (rows per program ×
+    column tiles per step)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -131,14 +133,18 @@ class LinearHeadConfig:
     warp_specialize: bool = False
     tma_store: bool = True
     store_bytes: int = 65536
-    # 32 rows (one warp) per combine program: its loop over the column tiles is latency bound, so
-    # many small programs beat few wide ones (H100, M = 2048: 128 rows per program, 16 programs,
-    # took 0.16 ms for ~15 MB of partials).
-    combine_rows: int = 32
+    # The combine kernel's block: rows per program × column tiles per loop step. Its two loops
+    # over the tiles are latency bound (a row-at-a-time fold of 32 rows per program took 0.14 ms
+    # at M = 2048, V = 151,936 on the H100 for ~15 MB of partials), so each step reads a
+    # [combine_tiles, combine_rows] block and many programs run: 128 at M = 2048.
+    combine_rows: int = 16
+    combine_tiles: int = 64
     name: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("block_m", "block_n", "block_k", "group_m", "num_warps", "combine_rows", "store_bytes"):
+        powers_of_two = ("block_m", "block_n", "block_k", "group_m", "num_warps", "combine_rows",
+                         "combine_tiles", "store_bytes")  # fmt: skip
+        for field in powers_of_two:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"config.{field} must be a power of two, got {value!r}")
@@ -339,40 +345,45 @@ def _linear_head_combine_kernel(
     ignore_index,
     # meta
     BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
 ):
-    """Fold each row's ``n_tiles`` partials in increasing tile order (two passes: the max, then the
-    rescaled sums): elementwise across rows, so a row's bits depend on its partials alone."""
+    """Fold each row's ``n_tiles`` partials in two passes (the max, then the rescaled sums), reading
+    ``[BLOCK_T, BLOCK_R]`` blocks (tiles × rows): a block's terms are summed as a tree, the blocks in
+    increasing tile order. Elementwise across rows: a row's bits depend on its partials alone."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask = rows < M
+    mask_r = rows < M
+    tiles = tl.arange(0, BLOCK_T).to(tl.int64)
     mx = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    offs = rows  # int64: tile t's partial of a row is at t·M + row (n_tiles·M may exceed 2^31)
-    for _ in range(n_tiles):
-        mx = tl.maximum(mx, tl.load(m_part_ptr + offs, mask=mask, other=0.0))
-        offs += M
+    for t0 in range(0, n_tiles, BLOCK_T):
+        t = t0 + tiles
+        valid = (t < n_tiles)[:, None] & mask_r[None, :]
+        offs = t[:, None] * M + rows[None, :]  # int64: n_tiles·M may exceed 2^31
+        mx = tl.maximum(mx, tl.max(tl.load(m_part_ptr + offs, mask=valid, other=float("-inf")), axis=0))
     s_sum = tl.zeros((BLOCK_R,), tl.float32)
     w_sum = tl.zeros((BLOCK_R,), tl.float32)
-    offs = rows
-    for _ in range(n_tiles):
-        m_t = tl.load(m_part_ptr + offs, mask=mask, other=0.0)
-        s_t = tl.load(s_part_ptr + offs, mask=mask, other=1.0)
-        scale = tl.exp(m_t - mx)
-        s_sum += s_t * scale
+    for t0 in range(0, n_tiles, BLOCK_T):
+        t = t0 + tiles
+        valid = (t < n_tiles)[:, None] & mask_r[None, :]
+        offs = t[:, None] * M + rows[None, :]
+        m_t = tl.load(m_part_ptr + offs, mask=valid, other=0.0)
+        s_t = tl.load(s_part_ptr + offs, mask=valid, other=0.0)
+        scale = tl.where(valid, tl.exp(m_t - mx[None, :]), 0.0)
+        s_sum += tl.sum(s_t * scale, axis=0)
         if WITH_ENTROPY:
-            w_t = tl.load(w_part_ptr + offs, mask=mask, other=0.0)
+            w_t = tl.load(w_part_ptr + offs, mask=valid, other=0.0)
             # Σ (z − mx)·e^{z − mx} over the tile = e^{m_t − mx}·(w_t + (m_t − mx)·s_t)
-            w_sum += scale * (w_t + (m_t - mx) * s_t)
-        offs += M
+            w_sum += tl.sum(scale * (w_t + (m_t - mx[None, :]) * s_t), axis=0)
     log_s = tl.log(s_sum)
     lse = mx + log_s
-    y = tl.load(ids_ptr + rows, mask=mask, other=0).to(tl.int64)
+    y = tl.load(ids_ptr + rows, mask=mask_r, other=0).to(tl.int64)
     active = y != ignore_index
     in_vocab = active & (y >= 0) & (y < V)
-    z_y = tl.load(zy_ptr + rows, mask=mask & in_vocab, other=float("nan"))
-    tl.store(logp_ptr + rows, tl.where(active, z_y - lse, 0.0), mask=mask)
-    tl.store(lse_ptr + rows, tl.where(active, lse, 0.0), mask=mask)
+    z_y = tl.load(zy_ptr + rows, mask=mask_r & in_vocab, other=float("nan"))
+    tl.store(logp_ptr + rows, tl.where(active, z_y - lse, 0.0), mask=mask_r)
+    tl.store(lse_ptr + rows, tl.where(active, lse, 0.0), mask=mask_r)
     if WITH_ENTROPY:
-        tl.store(entropy_ptr + rows, tl.where(active, log_s - w_sum / s_sum, 0.0), mask=mask)
+        tl.store(entropy_ptr + rows, tl.where(active, log_s - w_sum / s_sum, 0.0), mask=mask_r)
 
 
 @triton.jit
@@ -520,6 +531,8 @@ def _shifted_grad_kernel(
 
 
 # ------------------------------------------------------------------------------------- launchers
+_launch_stats = FastLauncher(_linear_head_stats_kernel)
+_launch_grad = FastLauncher(_linear_head_grad_kernel)
 _launch_combine = FastLauncher(_linear_head_combine_kernel)
 _launch_shifted_grad = FastLauncher(_shifted_grad_kernel)
 SHIFTED_GRAD_ROWS = 16  # rows per program of the shifted gradient kernel (x BLOCK_N columns)
@@ -616,21 +629,25 @@ def _descriptors(h, w, out, cfg: LinearHeadConfig):
     return h_desc, w_desc, out, False, 1
 
 
-def _gemm_meta(h: torch.Tensor, cfg: LinearHeadConfig) -> dict[str, object]:
-    """The GEMM kernels' shared constexprs and launch options (keywords: their order is free)."""
-    return {
+def _launch_gemm(launch, programs: int, args: tuple, own: dict[str, object], h, cfg) -> None:
+    """Launch a GEMM kernel (statistics or gradient) on ``programs`` persistent programs.
+
+    Both kernels' constexprs are the block sizes, then their ``own`` flags, then the shared tail, in
+    that signature order (:class:`FastLauncher` passes them positionally and checks the order)."""
+    constexprs = {
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k,
         "GROUP_M": cfg.group_m,
+        **own,
         "INPUT_PRECISION": "ieee" if h.dtype == torch.float32 else "tf32",  # 16-bit: unused
         "FLATTEN": cfg.flatten,
         "WARP_SPECIALIZE": cfg.warp_specialize,
         "INTERPRETED": interpreted(h),
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-        "enable_fp_fusion": FP_FUSION,
     }
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": FP_FUSION}
+    with _device_guard(h):
+        launch((programs,), args, constexprs, options)
 
 
 def _programs(h: torch.Tensor, m: int, n: int, cfg: LinearHeadConfig) -> int:
@@ -670,14 +687,14 @@ def stats_partials(
         return parts, z_y
     h_desc, w_desc, z_arg, z_tma, split = _descriptors(h, w, store_z, cfg)
     programs = _programs(h, m, n, cfg)
-    with _device_guard(h):
-        _linear_head_stats_kernel[(programs,)](
-            parts[0], parts[1], parts[-1], z_y, z_arg if store_z is not None else z_y, n,
-            h_desc, w_desc, ids.contiguous(), m, n, k, programs, temperature,
-            WITH_ENTROPY=with_entropy, STORE_Z=store_z is not None, Z_SHIFTED=bool(shifted), Z_TMA=z_tma,
-            STORE_SPLIT=split,
-            **_gemm_meta(h, cfg),
-        )  # fmt: skip
+    _launch_gemm(
+        _launch_stats, programs,
+        (parts[0], parts[1], parts[-1], z_y, z_arg if store_z is not None else z_y, n,
+         h_desc, w_desc, ids.contiguous(), m, n, k, programs, temperature),
+        {"WITH_ENTROPY": with_entropy, "STORE_Z": store_z is not None, "Z_SHIFTED": bool(shifted),
+         "Z_TMA": z_tma, "STORE_SPLIT": split},
+        h, cfg,
+    )  # fmt: skip
     return parts, z_y
 
 
@@ -711,14 +728,15 @@ def combine_partials(
     entropy = torch.empty_like(logp) if with_entropy else None
     if m == 0:
         return logp, lse, entropy
-    rows = (config or LinearHeadConfig()).combine_rows
+    cfg = config or LinearHeadConfig()
+    rows, tiles = cfg.combine_rows, cfg.combine_tiles
     with _device_guard(parts):
         _launch_combine(
             (_cdiv(m, rows),),
             (logp, lse, entropy if with_entropy else logp, parts[0], parts[1], parts[-1],
              z_y.contiguous(), ids.contiguous(), m, vocab_size, parts.shape[1], ignore_index),
-            {"BLOCK_R": rows, "WITH_ENTROPY": with_entropy},
-            {"num_warps": max(1, min(4, rows // 32)), "enable_fp_fusion": FP_FUSION},
+            {"BLOCK_R": rows, "BLOCK_T": tiles, "WITH_ENTROPY": with_entropy},
+            {"num_warps": max(1, min(4, rows * tiles // 256)), "enable_fp_fusion": FP_FUSION},
         )  # fmt: skip
     return logp, lse, entropy
 
@@ -901,11 +919,12 @@ def linear_head_grad_into(
         return
     h_desc, w_desc, g_arg, g_tma, split = _descriptors(h, w, grad_out, cfg)
     programs = _programs(h, m, n, cfg)
-    with _device_guard(h):
-        _linear_head_grad_kernel[(programs,)](
-            g_arg, n, h_desc, w_desc, ids.contiguous(), lse,
-            entropy if entropy is not None else lse, g_logp if g_logp is not None else lse,
-            g_ent if g_ent is not None else lse, m, n, k, programs, temperature, ignore_index,
-            HAS_GRAD_LOGP=g_logp is not None, HAS_GRAD_ENTROPY=g_ent is not None, G_TMA=g_tma,
-            STORE_SPLIT=split, **_gemm_meta(h, cfg),
-        )  # fmt: skip
+    _launch_gemm(
+        _launch_grad, programs,
+        (g_arg, n, h_desc, w_desc, ids.contiguous(), lse,
+         entropy if entropy is not None else lse, g_logp if g_logp is not None else lse,
+         g_ent if g_ent is not None else lse, m, n, k, programs, temperature, ignore_index),
+        {"HAS_GRAD_LOGP": g_logp is not None, "HAS_GRAD_ENTROPY": g_ent is not None, "G_TMA": g_tma,
+         "STORE_SPLIT": split},
+        h, cfg,
+    )  # fmt: skip
