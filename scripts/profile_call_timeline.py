@@ -199,13 +199,14 @@ def _timeline(step):
             step()
         torch.cuda.synchronize()
     events = prof.events()
-    call = next(e for e in events if e.name == "CALL")
+    call = next(e for e in events if e.name == "CALL" and e.device_type == torch.autograd.DeviceType.CPU)
     t_call = call.time_range.start
     kernels = sorted(
         (
             e
             for e in events
             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0
+            and e.name != "CALL"  # the record_function range shows on the GPU too
         ),
         key=lambda e: e.time_range.start,
     )

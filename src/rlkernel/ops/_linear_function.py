@@ -153,6 +153,7 @@ from rlkernel.ops._linear_engine import (
     _padded,
     _scatter,
     hidden_rows,
+    scaled,
     whole_batch_grads,
 )
 
@@ -182,7 +183,7 @@ def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.T
         if start == 0:  # overlaps its own source: through a slab-sized temporary
             out[rows].copy_(src * scale if scale is not None else src.to(dtype))
         elif scale is not None:
-            torch.mul(src, scale, out=out[rows])  # scale and cast in one pass (fp32 math, one rounding)
+            scaled(src, scale, out=out[rows])  # scale and cast in one pass (fp32 math, one rounding)
         else:
             out[rows].copy_(src)
     return out
@@ -489,7 +490,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
         ctx.grads = None  # the buffers become the caller's gradients
         if dh is not None:
-            dh = dh.mul_(scale)  # in place, computed in fp32 (opmath); exact for g == 1
+            dh = scaled(dh, scale, out=dh)  # in place, computed in fp32; exact for g == 1
         if dw is not None:
             # fp32 accumulator: the scale is folded into the final cast (one pass that runs anyway).
             dw = _finish_dweight(dw, w_dtype, scale)
