@@ -58,3 +58,63 @@ def test_wild_ids_are_reported_clamped_to_int32():
     ids = torch.tensor([3, 2**40, -(2**40)], device=DEVICE)
     stats = kernel.bad_id_stats(ids, V, None, None).tolist()
     assert stats[0] == 2 and kernel.decode_first(stats[1]) == (1, 2**31 - 1)
+
+
+def masked_reference(ids, mask, ignore_index):
+    active = mask != 0
+    return torch.where(active, ids.long().clamp_min(-1), ignore_index), active
+
+
+@pytest.mark.parametrize("n", [1, kernel.BLOCK + 3])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int32, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32, torch.uint8])
+def test_masked_ids_match_torch(n, mask_dtype, id_dtype):
+    """kernels.ids.masked_ids: active = mask != 0 (NaN counts as active, as in torch), ids int64 with
+    negative active ids at -1 and inactive ones at ignore_index, for [B, T] and 1-D inputs."""
+    g = torch.Generator().manual_seed(n)
+    low = 0 if id_dtype == torch.uint8 else -150
+    ids = torch.randint(low, 250, (n,), generator=g).to(id_dtype)
+    mask = (torch.rand(n, generator=g) * 3).floor() - 1  # -1, 0, 1
+    if mask_dtype.is_floating_point and n > 3:
+        mask[3] = float("nan")
+    mask = mask.to(mask_dtype)
+    for shape in ((n,), (1, n)):
+        got_ids, got_active = kernel.masked_ids(ids.view(shape).to(DEVICE), mask.view(shape).to(DEVICE), -100)
+        want_ids, want_active = masked_reference(ids.view(shape), mask.view(shape), -100)
+        assert got_ids.dtype == torch.int64 and got_active.dtype == torch.bool
+        assert torch.equal(got_ids.cpu(), want_ids) and torch.equal(got_active.cpu(), want_active)
+    if n > 1:  # both kinds of position present
+        assert bool(want_active.any()) and not bool(want_active.all())
+
+
+def test_masked_ids_empty_and_bad_layout():
+    ids, active = kernel.masked_ids(torch.empty(0, 5, dtype=torch.long, device=DEVICE),
+                                    torch.empty(0, 5, device=DEVICE), -100)  # fmt: skip
+    assert ids.shape == (0, 5) and active.shape == (0, 5)
+    x = torch.zeros(4, 6, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous and of one shape"):
+        kernel.masked_ids(x.t(), x.t().bool(), -100)
+    with pytest.raises(ValueError, match="contiguous and of one shape"):
+        kernel.masked_ids(x, x[:2].bool(), -100)
+
+
+def test_masked_token_ids_takes_the_kernel_on_the_triton_backend(monkeypatch):
+    """rl.token_loss.masked_token_ids: the kernel where the backend is triton (same values as the
+    torch ops), the torch ops for a non-contiguous mask."""
+    from rlkernel.ops import token_loss as ops_token_loss
+    from rlkernel.rl.token_loss import masked_token_ids
+
+    calls = []
+    real = kernel.masked_ids
+    monkeypatch.setattr(kernel, "masked_ids", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ops_token_loss._dispatch, "resolve_backend", lambda device, has_kernel: "triton")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(-3, 40, (4, 9), generator=g).to(DEVICE)
+    mask = (torch.rand(4, 9, generator=g) > 0.4).to(DEVICE)
+    got = masked_token_ids(ids, mask)
+    assert calls == [1]
+    want = masked_reference(ids.cpu(), mask.cpu(), -100)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+    got = masked_token_ids(ids, mask.t().contiguous().t())
+    assert calls == [1]
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))

@@ -1,8 +1,9 @@
-"""``kernels.scale_cast.scale_cast_into``: ``(src · scale)`` rounded once to ``dst``'s dtype.
+"""``kernels.scale_cast.scale_cast_into``: ``(src · scale)`` in fp32, rounded once to ``dst``'s dtype.
 
-On the GPU its bits are ``torch.mul(src, scale, out=dst)``'s (the fused LM-head loss's backward
-swaps one for the other); in the CPU interpreter (fp32 → bf16 by truncation in Triton 3.9) it is
-within one unit of the last place of that; fp32 / fp16 outputs match exactly there too.
+On the GPU its bits are ``(src.float() * scale).to(dst.dtype)`` (for an fp32 ``src`` also
+``torch.mul(src, scale, out=dst)``'s: the fused LM-head loss's backward swapped one for the other);
+in the CPU interpreter (fp32 → bf16 by truncation in Triton 3.9) within one bf16 unit of the last
+place; fp32 / fp16 outputs match exactly there too.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def test_matches_torch_mul(src_dtype, dst_dtype, scale):
     src = (torch.randn(n, generator=g) * 50).to(src_dtype).to(DEVICE)
     s = torch.tensor(scale, dtype=torch.float32, device=DEVICE)
     out = sc.scale_cast_into(src, torch.empty(n, dtype=dst_dtype, device=DEVICE), s)
-    expected = torch.mul(src, s, out=torch.empty(n, dtype=dst_dtype, device=DEVICE))
+    expected = (src.float() * s).to(dst_dtype)
+    if src_dtype == torch.float32:
+        assert torch.equal(expected, torch.mul(src, s, out=torch.empty(n, dtype=dst_dtype, device=DEVICE)))
     if ON_GPU or dst_dtype != torch.bfloat16:
         assert torch.equal(out, expected)
     else:  # the interpreter truncates to bf16: within one bf16 ulp
@@ -98,3 +101,23 @@ def test_scale_on_another_device_raises():
     x = torch.randn(8, device=DEVICE)
     with pytest.raises(ValueError, match="scale must be on"):
         sc.scale_cast_into(x, x, torch.ones(()))
+
+
+def test_scaled_helper_is_the_fp32_product_everywhere():
+    """``ops._linear_engine.scaled`` (the kernel on CUDA, torch ops elsewhere): bitwise the fp32
+    product rounded once; a 16-bit tensor's scale is not rounded to 16 bits first (a CUDA
+    ``torch.mul`` of a bf16 tensor by an fp32 0-dim tensor does: bf16(0.37) = 0.369140625)."""
+    from rlkernel.ops._linear_engine import scaled
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4096 + 5, generator=g).to(torch.bfloat16).to(DEVICE)
+    s = torch.tensor(0.37, device=DEVICE)
+    expected = (x.float() * 0.37).to(torch.bfloat16)
+    got = scaled(x, s)
+    assert torch.equal(got, expected)
+    if ON_GPU:
+        assert not torch.equal(expected, x * s)  # the rounded scale's result differs
+    y = x.clone()
+    assert scaled(y, s, out=y) is y and torch.equal(y, got)
+    strided = x.view(-1)[:4096].view(64, 64).t()  # not contiguous: the torch ops
+    assert torch.equal(scaled(strided, s), (strided.float() * 0.37).to(torch.bfloat16))

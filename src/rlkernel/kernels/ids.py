@@ -1,5 +1,6 @@
-"""One launch that finds out-of-range token ids: their count and the first one, for a check that
-must not read anything on the host (``rlkernel.ops.id_checks``).
+"""Token-id kernels of one launch each: ``bad_id_stats`` finds out-of-range token ids (their count
+and the first one) for a check that must not read anything on the host (``rlkernel.ops.id_checks``);
+``masked_ids`` turns a loss call's token ids and mask into the kernels' ids and the active mask.
 
 Why a kernel: the same check in torch ops (compare, mask, sum, argmax, index, cat) is ~9 launches,
 ~190 us of host time per call on the H100 host (torch 2.11, 2026-11-24); this is one launch on a
@@ -90,3 +91,41 @@ def bad_id_stats(
 def decode_first(key: int) -> tuple[int, int]:
     """``(flat index, id)`` of the first bad id from ``stats[1]`` (the id clamped to int32)."""
     return key >> 32, (key & 0xFFFFFFFF) - _INT32_OFFSET
+
+
+@triton.jit(do_not_specialize=["n", "ignore_index"])
+def _masked_ids_kernel(ids_out, active_out, ids_ptr, mask_ptr, n, ignore_index, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < n
+    y = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    active = tl.load(mask_ptr + offs, mask=in_range, other=0) != 0  # NaN: != 0 (unordered), as torch
+    tl.store(ids_out + offs, tl.where(active, tl.maximum(y, -1), ignore_index), mask=in_range)
+    tl.store(active_out + offs, active, mask=in_range)
+
+
+_launch_masked = FastLauncher(_masked_ids_kernel)
+
+
+def masked_ids(ids: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, active)`` of ``ids``' shape: ``active = mask != 0`` (bool) and int64 ``out`` =
+    ``max(id, -1)`` where active, ``ignore_index`` elsewhere; one launch instead of PyTorch's four
+    (``!=``, ``long``, ``clamp_min``, ``where``: ~0.3 ms of host time per call on the H100 host).
+
+    Args:
+        ids: any integer dtype, contiguous.
+        mask: ``ids``' shape, bool / integer / floating, contiguous, on ``ids``' device.
+        ignore_index: a negative int64 (below -1, so that it never equals a clamped id).
+    """
+    if not (ids.is_contiguous() and mask.is_contiguous()) or mask.shape != ids.shape:
+        raise ValueError(
+            f"ids and mask must be contiguous and of one shape: {tuple(ids.shape)} vs {tuple(mask.shape)}"
+        )
+    out = torch.empty(ids.shape, dtype=torch.int64, device=ids.device)
+    active = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+    n = ids.numel()
+    if n == 0:
+        return out, active
+    with _device_guard(ids):
+        args = (out, active, ids, mask, n, int(ignore_index))
+        _launch_masked((cdiv(n, BLOCK),), args, {"BLOCK": BLOCK}, {"num_warps": 4})
+    return out, active

@@ -565,18 +565,20 @@ def whole_batch_grads(
 
 
 def scaled(x: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x * scale`` (fp32 0-dim ``scale`` on the device), rounded once to ``out``'s dtype (default:
+    """``x · scale`` as an fp32 product (fp32 0-dim ``scale`` on the device, not rounded to ``x``'s
+    dtype first, as ``torch.mul`` of a 16-bit tensor does), rounded once to ``out``'s dtype (default:
     a new tensor like ``x``); ``out`` may be ``x`` (in place). On CUDA with contiguous operands one
     streaming Triton pass (``kernels.scale_cast``: PyTorch's mixed-dtype product runs at ~1 TB/s on
-    the H100), elsewhere ``torch.mul`` (the same bits on the GPU)."""
+    the H100), elsewhere the same arithmetic in torch ops."""
+    scale = scale.reshape(()).to(torch.float32)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.is_cuda and x.is_contiguous() and out.is_contiguous() and x.numel() == out.numel():
         from rlkernel.kernels.scale_cast import scale_cast_into
 
-        scale_cast_into(x.view(-1), out.view(-1), scale.reshape(()).to(torch.float32))
+        scale_cast_into(x.view(-1), out.view(-1), scale)
         return out
-    return torch.mul(x, scale, out=out)
+    return out.copy_(x.to(torch.float32) * scale)
 
 
 def _padded(x, c, start, n):

@@ -43,6 +43,27 @@ class TokenLossTerms:
     g_entropy: torch.Tensor | None
 
 
+def masked_ids(
+    token_ids: torch.Tensor, mask: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, active)`` of a loss call: ``active = mask != 0`` (bool) and int64 ``ids`` =
+    ``max(token_id, -1)`` where active, ``ignore_index`` elsewhere (the formula's reasons:
+    ``rlkernel.rl.token_loss.masked_token_ids``). One Triton launch on the triton backend
+    (``kernels.ids.masked_ids``; contiguous operands of one shape), else the same in torch ops."""
+    if (
+        _dispatch.resolve_backend(token_ids.device, has_kernel=True) == "triton"
+        and token_ids.is_contiguous()
+        and mask.is_contiguous()
+        and mask.shape == token_ids.shape
+        and mask.device == token_ids.device
+    ):
+        from rlkernel.kernels import ids as ids_kernels
+
+        return ids_kernels.masked_ids(token_ids, mask, ignore_index)
+    active = mask != 0
+    return torch.where(active, token_ids.long().clamp_min(-1), ignore_index), active
+
+
 def token_loss(
     plan: TokenLossPlan,
     logp: torch.Tensor,

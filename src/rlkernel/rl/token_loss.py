@@ -63,6 +63,7 @@ from rlkernel.ops.token_loss import (  # noqa: F401 - re-exported: the plan and 
     TokenLossScalars,
     TokenLossTerms,
     as_coef_fn,
+    masked_ids,
     token_loss,
 )
 from rlkernel.rl import rollout
@@ -188,9 +189,9 @@ def masked_token_ids(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch
     no softmax gradient and need no valid id), and the bool mask of active positions (``mask != 0``).
     int64 first: ``IGNORE_INDEX`` does not fit unsigned id dtypes (uint8 would wrap it to 156).
     Negative active ids become -1: an active id equal to ``IGNORE_INDEX`` must reach the kernels as
-    out of range (a NaN log-prob) rather than as a position to skip (an id check raises for both)."""
-    active = mask != 0
-    return torch.where(active, token_ids.long().clamp_min(-1), IGNORE_INDEX), active
+    out of range (a NaN log-prob) rather than as a position to skip (an id check raises for both).
+    On CUDA one launch (``ops.token_loss.masked_ids``)."""
+    return masked_ids(token_ids, mask, IGNORE_INDEX)
 
 
 def _rollout_terms(batch: LossBatch, act2: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
