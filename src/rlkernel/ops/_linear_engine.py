@@ -646,7 +646,7 @@ def hidden_rows(hidden: torch.Tensor, row_index: torch.Tensor | None) -> HiddenR
         if not viewable and s1 >= hdim and s0 % s1 == 0 and s0 // s1 >= t:
             step = s0 // s1
             rows = hidden.as_strided(((b - 1) * step + t, hdim), (s1, 1))
-            index = row_index + (row_index // t) * (step - t)
+            index = torch.add(row_index, row_index // t, alpha=step - t)  # two launches, not three
             return HiddenRows(rows, index, HiddenLayout(hidden.shape, step))
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
     return HiddenRows(hidden.reshape(n, hdim), None, flat)
