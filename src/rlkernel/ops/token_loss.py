@@ -49,9 +49,11 @@ def masked_ids(
     """``(ids, active)`` of a loss call: ``active = mask != 0`` (bool) and int64 ``ids`` =
     ``max(token_id, -1)`` where active, ``ignore_index`` elsewhere (the formula's reasons:
     ``rlkernel.rl.token_loss.masked_token_ids``). One Triton launch on the triton backend
-    (``kernels.ids.masked_ids``; contiguous operands of one shape), else the same in torch ops."""
+    (``kernels.ids.masked_ids``; contiguous operands of one shape), else the same in torch ops
+    (also inside ``torch.compile``, which traces them: the launch would break a full graph)."""
     if (
-        _dispatch.resolve_backend(token_ids.device, has_kernel=True) == "triton"
+        not torch.compiler.is_compiling()
+        and _dispatch.resolve_backend(token_ids.device, has_kernel=True) == "triton"
         and token_ids.is_contiguous()
         and mask.is_contiguous()
         and mask.shape == token_ids.shape
