@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rlkernel as rk
 from rlkernel.kernels import ids as kernel
 
 from .conftest import DEVICE
@@ -101,40 +102,41 @@ def test_masked_ids_empty_and_bad_layout():
 def test_masked_token_ids_takes_the_kernel_on_the_triton_backend(monkeypatch):
     """rl.token_loss.masked_token_ids: the kernel where the backend is triton (same values as the
     torch ops), the torch ops for a non-contiguous mask."""
-    from rlkernel.ops import token_loss as ops_token_loss
     from rlkernel.rl.token_loss import masked_token_ids
 
     calls = []
     real = kernel.masked_ids
-    monkeypatch.setattr(kernel, "masked_ids", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(ops_token_loss._dispatch, "resolve_backend", lambda device, has_kernel: "triton")
+    monkeypatch.setattr(kernel, "masked_ids", lambda *a: calls.append(1) or real(*a))  # seam: spy
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(-3, 40, (4, 9), generator=g).to(DEVICE)
     mask = (torch.rand(4, 9, generator=g) > 0.4).to(DEVICE)
-    got = masked_token_ids(ids, mask)
-    assert calls == [1]
-    want = masked_reference(ids.cpu(), mask.cpu(), -100)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
-    got = masked_token_ids(ids, mask.t().contiguous().t())
-    assert calls == [1]
+    with rk.use_backend("triton"):
+        got = masked_token_ids(ids, mask)
+        assert calls == [1]
+        want = masked_reference(ids.cpu(), mask.cpu(), -100)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+        got = masked_token_ids(ids, mask.t().contiguous().t())
+        assert calls == [1]
+    with rk.use_backend("reference"):
+        masked_token_ids(ids, mask)
+        assert calls == [1]
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
 
 
 def test_masked_token_ids_inside_torch_compile_traces_the_torch_ops(monkeypatch):
     """Inside torch.compile(fullgraph=True) the launch would break the graph (the GPU suite's
     compiled fused-loss test caught it): the torch ops are traced instead, same values."""
-    from rlkernel.ops import token_loss as ops_token_loss
     from rlkernel.rl.token_loss import masked_token_ids
 
     calls = []
     real = kernel.masked_ids
-    monkeypatch.setattr(kernel, "masked_ids", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(ops_token_loss._dispatch, "resolve_backend", lambda device, has_kernel: "triton")
+    monkeypatch.setattr(kernel, "masked_ids", lambda *a: calls.append(1) or real(*a))  # seam: spy
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(-3, 40, (3, 7), generator=g).to(DEVICE)
     mask = (torch.rand(3, 7, generator=g) > 0.4).to(DEVICE)
     torch._dynamo.reset()
-    got = torch.compile(masked_token_ids, fullgraph=True, backend="eager")(ids, mask)
+    with rk.use_backend("triton"):
+        got = torch.compile(masked_token_ids, fullgraph=True, backend="eager")(ids, mask)
     assert calls == []
     want = masked_reference(ids.cpu(), mask.cpu(), -100)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
