@@ -99,28 +99,36 @@ def test_masked_ids_empty_and_bad_layout():
         kernel.masked_ids(x, x[:2].bool(), -100)
 
 
-def test_masked_token_ids_takes_the_kernel_on_the_triton_backend(monkeypatch):
-    """rl.token_loss.masked_token_ids: the kernel where the backend is triton (same values as the
-    torch ops), the torch ops for a non-contiguous mask."""
-    from rlkernel.rl.token_loss import masked_token_ids
-
+def _spied_kernel_and_inputs(monkeypatch, seed, shape):
+    """(launch record, ids, mask): ``kernel.masked_ids`` spied on, random ids (some negative) and a
+    bool mask of ``shape`` on the test device."""
     calls = []
     real = kernel.masked_ids
     monkeypatch.setattr(kernel, "masked_ids", lambda *a: calls.append(1) or real(*a))  # seam: spy
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(-3, 40, (4, 9), generator=g).to(DEVICE)
-    mask = (torch.rand(4, 9, generator=g) > 0.4).to(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-3, 40, shape, generator=g).to(DEVICE)
+    return calls, ids, (torch.rand(shape, generator=g) > 0.4).to(DEVICE)
+
+
+def _same(got, ids, mask):
+    want = masked_reference(ids.cpu(), mask.cpu(), -100)
+    return all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+
+
+def test_masked_token_ids_takes_the_kernel_on_the_triton_backend(monkeypatch):
+    """rl.token_loss.masked_token_ids: the kernel where the backend is triton (same values as the
+    torch ops), the torch ops for a non-contiguous mask and on the reference backend."""
+    from rlkernel.rl.token_loss import masked_token_ids
+
+    calls, ids, mask = _spied_kernel_and_inputs(monkeypatch, 1, (4, 9))
     with rk.use_backend("triton"):
-        got = masked_token_ids(ids, mask)
+        assert _same(masked_token_ids(ids, mask), ids, mask)
         assert calls == [1]
-        want = masked_reference(ids.cpu(), mask.cpu(), -100)
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
-        got = masked_token_ids(ids, mask.t().contiguous().t())
+        assert _same(masked_token_ids(ids, mask.t().contiguous().t()), ids, mask)
         assert calls == [1]
     with rk.use_backend("reference"):
-        masked_token_ids(ids, mask)
+        assert _same(masked_token_ids(ids, mask), ids, mask)
         assert calls == [1]
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
 
 
 def test_masked_token_ids_inside_torch_compile_traces_the_torch_ops(monkeypatch):
@@ -128,15 +136,9 @@ def test_masked_token_ids_inside_torch_compile_traces_the_torch_ops(monkeypatch)
     compiled fused-loss test caught it): the torch ops are traced instead, same values."""
     from rlkernel.rl.token_loss import masked_token_ids
 
-    calls = []
-    real = kernel.masked_ids
-    monkeypatch.setattr(kernel, "masked_ids", lambda *a: calls.append(1) or real(*a))  # seam: spy
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(-3, 40, (3, 7), generator=g).to(DEVICE)
-    mask = (torch.rand(3, 7, generator=g) > 0.4).to(DEVICE)
+    calls, ids, mask = _spied_kernel_and_inputs(monkeypatch, 2, (3, 7))
     torch._dynamo.reset()
     with rk.use_backend("triton"):
         got = torch.compile(masked_token_ids, fullgraph=True, backend="eager")(ids, mask)
     assert calls == []
-    want = masked_reference(ids.cpu(), mask.cpu(), -100)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want, strict=True))
+    assert _same(got, ids, mask)
