@@ -169,11 +169,10 @@ CoefFn = Callable[
 
 
 def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
-    """``(acc * scale).to(dtype)`` for a contiguous fp32 ``[V, H]`` accumulator, written slab by slab
+    """``(acc * scale).to(dtype)`` for a contiguous fp32 ``[V, H]`` accumulator and a 16-bit ``dtype``
+    (:func:`_finish_dweight` scales a same-dtype buffer in place), written slab by slab
     into the first half of ``acc``'s storage (no second V·H buffer). Slab k ≥ 1 of the output lies
     in bytes of slabs < k of the input, already consumed (stream order); slab 0 goes via a temporary."""
-    if dtype == acc.dtype:
-        return acc.mul_(scale) if scale is not None else acc
     v, h = acc.shape
     out = acc.view(-1).view(dtype)[: v * h].view(v, h)
     step = max(1, CAST_SLAB_BYTES // max(4 * h, 1))
@@ -203,7 +202,7 @@ def _finish_dweight(dw, dtype, scale):
     if dw is None:
         return None
     if dw.dtype == dtype:
-        return dw.mul_(scale) if scale is not None else dw
+        return scaled(dw, scale, out=dw) if scale is not None else dw
     return _cast_into_own_storage(dw, dtype, scale)
 
 
@@ -484,8 +483,9 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         if autograd_state.graph_retained():
             # Another backward will read the buffers: hand out scaled copies (same numbers: fp32 math,
             # one rounding to the output dtype) and keep the buffers as they are.
-            dh = None if dh is None else dh * scale
-            dw = None if dw is None else (dw * scale).to(w_dtype)
+            dh = None if dh is None else scaled(dh, scale)
+            if dw is not None:
+                dw = scaled(dw, scale, out=torch.empty(dw.shape, dtype=w_dtype, device=dw.device))
             db = None if db is None else (db * scale).to(b_dtype)
             return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
         ctx.grads = None  # the buffers become the caller's gradients
