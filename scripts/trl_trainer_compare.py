@@ -186,8 +186,10 @@ class StepProbe:
     attributes, which the Trainer loop calls): per micro-step timings, peak memory and loss; the
     completions of each generation; the batches and gradients of the first optimizer step."""
 
-    def __init__(self, trainer, cuda: bool, name: str) -> None:
+    def __init__(self, trainer, cuda: bool, name: str, breakdown: bool = False) -> None:
         self.trainer, self.cuda, self.name = trainer, cuda, name
+        # --memory-breakdown: the allocator's history over the second micro-step (after compilation)
+        self.breakdown, self._recorder = breakdown and cuda, None
         self.records: list[dict] = []
         self.generations: list[torch.Tensor] = []
         self.first_batches: list[tuple[dict, object]] = []
@@ -216,6 +218,16 @@ class StepProbe:
         record["loss"] = loss.float().item()
         if self.cuda:
             record["peak_bytes"] = torch.cuda.max_memory_allocated()
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            record["peak_breakdown"] = found = self._recorder.breakdown()
+            self._recorder = None
+            log(
+                f"  [{self.name}] micro-step {len(self.records) + 1}: live at its peak "
+                f"({found['peak_bytes'] / 2**30:.2f} GiB allocated during the step), by site:"
+            )
+            for size, count, where in found["sites"]:
+                log(f"    {size / 2**30:7.3f} GiB  {count:4d} blocks  {where}")
         if first_window:
             self.first_batches.append((self._batch, to_cpu(num_items_in_batch)))
             if trainer._step == trainer.current_gradient_accumulation_steps:
@@ -240,6 +252,10 @@ class StepProbe:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             self.record["base_bytes"] = torch.cuda.memory_allocated()
+        if self.breakdown and len(self.records) == 1:
+            import memory_peak  # scripts/ (this script's folder) is on sys.path
+
+            self._recorder = memory_peak.Recorder().__enter__()
         return inputs
 
     def _compute_loss(self, original, model, inputs, **kwargs):
@@ -290,7 +306,7 @@ def train(cls, name: str, case: Case) -> dict:
     import rlkernel as rk
 
     trainer = build_trainer(cls, case, f"{case.tmp}/{name}", case.precision)
-    probe = StepProbe(trainer, case.cuda, name)
+    probe = StepProbe(trainer, case.cuda, name, case.options.memory_breakdown)
     with rk.use_backend(case.options.backend):
         trainer.train()
     history = [{k: e[k] for k in LOG_KEYS if k in e} for e in trainer.state.log_history if "loss" in e]
@@ -493,6 +509,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), help="overrides the size's")
     parser.add_argument("--out", help="write the report as JSON here")
     parser.add_argument(
+        "--memory-breakdown", action="store_true",
+        help="CUDA: what is allocated at the peak of each trainer's second micro-step, by site (log + JSON)",
+    )  # fmt: skip
+    parser.add_argument(
         "--replay", action="store_true", help="replay rlkernel's step on TRL's batch also when they agree"
     )
     options = parser.parse_args(argv)
@@ -551,6 +571,7 @@ def run(options: argparse.Namespace) -> dict:
                 report["results"].append(compare(case))
     log("\n" + table(report["results"], cuda))
     return report
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])
