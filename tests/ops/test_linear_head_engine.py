@@ -159,6 +159,45 @@ def test_which_path_runs():
         rk.Options(linear_head_gemm="cutlass")
 
 
+def test_small_hidden_size_caps_groups_with_the_same_logprobs(monkeypatch):
+    """A gradient group holds at most max(H_GROUP_FLOOR, H) rows (default sizes), and on the epilogue
+    kernel the chunk follows it: the fused loss then runs grouped (an fp32 dweight accumulator)
+    instead of one whole-batch group; the log-probs keep their bits and the gradients match the
+    reference."""
+    rows_per_launch = []
+    real = lh.linear_head_stats_shifted
+
+    def spy(h, *a, **k):
+        rows_per_launch.append(h.shape[0])
+        return real(h, *a, **k)
+
+    monkeypatch.setattr(lh, "linear_head_stats_shifted", spy)  # seam: spy
+    h, w, ids = make(seed=6)
+    coef = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+
+    def run():
+        hh, ww = leaves(h, w)
+        coef_fn = autograd_coef_fn(lambda r, lp, e: (coef[r] * lp).sum())
+        rows_per_launch.clear()
+        with rk.use_options(linear_head_gemm="triton"):
+            loss, lp = lf.fused_linear_token_loss(hh, ww, None, ids, coef_fn=coef_fn)
+        dh, dw = torch.autograd.grad(loss, (hh, ww))
+        return lp.detach(), dh, dw, list(rows_per_launch)
+
+    active = int((ids != -100).sum())
+    lp_one, dh_one, dw_one, launches = run()
+    assert launches == [active]  # H = 16 under the floor: one chunk, one whole-batch group
+    monkeypatch.setattr(engine, "H_GROUP_FLOOR", 8)  # seam: H = 16 caps groups at 16 of 40 rows
+    lp_cap, dh_cap, dw_cap, launches = run()
+    assert launches == [16, 16, active - 32]
+    assert torch.equal(lp_cap, lp_one)
+    hh, ww = leaves(h, w)
+    rlp = ref.linear_token_logprobs(hh, ww, ids)
+    rdh, rdw = torch.autograd.grad((coef.double() * rlp.double() * (ids != -100)).sum(), (hh, ww))
+    for dh, dw in ((dh_one, dw_one), (dh_cap, dw_cap)):
+        assert rel(dh, rdh) <= 1e-2 and rel(dw, rdw) <= 1e-2
+
+
 def test_frozen_weight_uses_small_chunks_with_the_same_logprobs(monkeypatch):
     """With a frozen weight the fused loss's chunks and groups shrink to FROZEN_WEIGHT_ROWS on the
     epilogue kernel (default sizes only); the log-probs keep their bits (the kernel is row

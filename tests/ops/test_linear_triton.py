@@ -212,7 +212,7 @@ def test_bad_options():
         rk.linear_token_logprobs(h, w.bfloat16(), ids)
 
 
-def test_chunk_rule_depends_on_vocab_and_dtype_only(monkeypatch):
+def test_chunk_rule_depends_on_vocab_hidden_and_dtype_only(monkeypatch):
     monkeypatch.undo()  # the module's real budgets
     assert engine.chunk_rows_for(151936, torch.float32) == 2048
     assert engine.chunk_rows_for(151936, torch.bfloat16) == 4096
@@ -220,6 +220,12 @@ def test_chunk_rule_depends_on_vocab_and_dtype_only(monkeypatch):
     assert engine.chunk_rows_for(10**9, torch.float32) == engine.MIN_CHUNK_ROWS
     assert engine.chunk_rows_for(151936, torch.float32, 1280 << 18) == 512  # the option's budget
     assert engine.grad_rows_for(151936, torch.bfloat16) == 4096
+    # Capped at max(H_GROUP_FLOOR, H) rows given H: never more rows than the [V, H] weight gradient.
+    assert engine.grad_rows_for(151936, torch.bfloat16, hdim=4096) == 4096
+    assert engine.grad_rows_for(151936, torch.bfloat16, hdim=2048) == 2048
+    assert engine.grad_rows_for(151936, torch.bfloat16, hdim=1536) == engine.H_GROUP_FLOOR == 1024
+    assert engine.grad_rows_for(151936, torch.bfloat16, hdim=64) == 1024
+    assert engine.grad_rows_for(151936, torch.bfloat16, 1280 << 18, hdim=8192) == 1024  # the budget
 
 
 # ------------------------------------------------------------------------------------- fused loss

@@ -25,15 +25,20 @@ from rlkernel._options import DEFAULTS, DweightAccum, LogitsDtype, MatmulThresho
 from rlkernel.kernels import logprobs as lk
 
 # Row counts are the largest powers of two whose chunk (group) fits the option's byte budget, within
-# [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]: functions of V and the dtypes only, never of N. At V = 151,936
+# [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]: functions of V, H and the dtypes only, never of N. At V = 151,936
 # and the default 1280 MiB budgets: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient
-# groups of 4096 rows (why these budgets: docs/api/options.md).
+# groups of 4096 rows, fewer at H < 4096 (why these budgets: docs/api/options.md).
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 4096
 # Chunk and group rows of the fused loss with a frozen weight on the epilogue kernel: its gradient
 # groups only feed the dhidden GEMM, as fast at M = 1024 as at 4096, and that kernel is row invariant
 # at any M, so the chunk shrinks with them (no logp bit changes). H100, ragged DAPO+KL N = 8192:
 # 25.2 vs 25.4 ms, peak extra 2.69 → 1.08 GB; 512 rows: 0.61 GB but +8 % (benchmarks/NOTES.md).
 FROZEN_WEIGHT_ROWS = 1024
+# The fewest rows the hidden-size cap of ``grad_rows_for`` leaves a gradient group: below ~1024 rows
+# the dhidden GEMM's [G, H] output has too few tiles for the GPU, and tiny test shapes keep one group.
+# Why the cap: trl_trainer_compare (H = 1024, 3,790 scored rows, H100, 2026-11-25) peaked in the LM
+# head's backward with the whole batch's 1.07 GiB of gradient rows alive (benchmarks/NOTES.md).
+H_GROUP_FLOOR = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +149,23 @@ def chunk_rows_for(
     return _pow2_rows(chunk_bytes, vocab * logits_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
 
 
-def grad_rows_for(vocab: int, grad_dtype: torch.dtype, grad_bytes: int = DEFAULTS.linear_grad_bytes) -> int:
+def grad_rows_for(
+    vocab: int,
+    grad_dtype: torch.dtype,
+    grad_bytes: int = DEFAULTS.linear_grad_bytes,
+    hdim: int | None = None,
+) -> int:
     """Rows per gradient group (the M of the dhidden GEMM and K of the dweight GEMM): the largest
-    power of two whose ``[G, V]`` gradient fits ``grad_bytes`` (the option ``linear_grad_bytes``).
-    Fewer, larger groups mean fewer read-modify-writes of the V·H dweight accumulator (one each)."""
-    return _pow2_rows(grad_bytes, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+    power of two whose ``[G, V]`` gradient fits ``grad_bytes`` (the option ``linear_grad_bytes``)
+    and, given the hidden size ``hdim``, at most ``max(H_GROUP_FLOOR, H)`` rows: a group then holds
+    no more than the ``[V, H]`` weight gradient the step returns anyway (4096 rows at H = 4096 and
+    V = 151,936 either way; 1024 at H = 1024, where the budget's 4096 rows would hold 1.2 GB next to
+    a 0.3 GB weight gradient). Fewer, larger groups mean fewer read-modify-writes of the V·H dweight
+    accumulator (one each). A function of V, H and the dtype, never of N."""
+    rows = _pow2_rows(grad_bytes, vocab * grad_dtype.itemsize, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS)
+    if hdim is not None:
+        rows = min(rows, _pow2_rows(max(hdim, H_GROUP_FLOOR), 1, MIN_CHUNK_ROWS, MAX_CHUNK_ROWS))
+    return rows
 
 
 def whole_batch_fits(
@@ -271,9 +288,10 @@ class _Engine:
                 zdt = torch.float32
         self.zdt = zdt
         self.c = settings.chunk_rows or chunk_rows_for(self.v, zdt, settings.chunk_bytes)
-        cg = settings.grad_rows or grad_rows_for(self.v, dt, settings.grad_bytes)
-        if dhidden_only and self.epi and settings.chunk_rows is None and settings.grad_rows is None:
-            self.c = cg = min(self.c, cg, FROZEN_WEIGHT_ROWS)
+        cg = settings.grad_rows or grad_rows_for(self.v, dt, settings.grad_bytes, self.hdim)
+        if self.epi and settings.chunk_rows is None and settings.grad_rows is None:
+            # Row invariant at any M: the chunk follows a smaller group (its exponents live there).
+            self.c = cg = min(self.c, cg, FROZEN_WEIGHT_ROWS if dhidden_only else cg)
         self.cg = max(self.c, cg // self.c * self.c)
         # Whole batch: one group of every row (rounded up to whole chunks), when dweight is wanted.
         m_all = self._padded_rows(self.n)

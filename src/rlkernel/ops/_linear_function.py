@@ -43,7 +43,10 @@ Both GEMMs take the real rows only (the chunks' pad rows have zero gradient).
 Why two levels. The logits chunk C bounds the fp32 logits buffer and fixes the bits of every row
 (see the chunk rule). The group G sets how often the V·H dweight accumulator is read and written
 back: once per group, V·H·8 bytes in fp32 (5 GB at V = 151,936, H = 4096: ~1.5 ms at 3.3 TB/s
-unless cuBLAS hides its epilogue). Larger G costs G·V·2 bytes of gradient buffer.
+unless cuBLAS hides its epilogue). Larger G costs G·V·2 bytes of gradient buffer, so G is also
+capped at ``max(1024, H)`` rows (``grad_rows_for``): a group is never larger than the V·H weight
+gradient itself (at H = 1024 the 4096 rows of the byte budget would hold 1.2 GB of gradient rows
+next to a 0.3 GB weight gradient: a trainer's peak).
 
 Numbers for the design (H100, bf16, N = 8192, H = 4096, V = 151,936): each GEMM is 2·N·H·V =
 10.2 TFLOP ≈ 13.6 ms at ~750 TFLOP/s; logits are N·V = 1.25 G values (2.5 GB bf16, 5 GB fp32), and
@@ -59,7 +62,7 @@ alignment, and different algorithms round differently, so a row's logits would c
 N if the last chunk were shorter. Every logits GEMM therefore has exactly ``C`` rows, read from the
 same offset of the same kind of staging buffer: the tail is zero-padded (pad rows get
 ``ignore_index`` ids, hence zero gradient), and C (``_linear_engine.chunk_rows_for``) and G
-(``grad_rows_for``) depend only on V and the dtypes, never on N; a row's chunk position (row
+(``grad_rows_for``) depend only on V, H and the dtypes, never on N; a row's chunk position (row
 mod G; with padding compaction, its rank among the active rows mod G) is fixed by its index. The
 log-softmax kernels are row-invariant already. Cost: up to C − 1 padded rows of logits GEMM per
 call (nothing at N ≫ C; a whole C-row GEMM for a decode-sized N), plus one N·H staging copy. The
