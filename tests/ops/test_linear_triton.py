@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rlkernel as rk
+from rlkernel.ops import _dweight_accum as dweight_accum
 from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
 from rlkernel.ops._linear_loss import autograd_coef_fn, ppo_kl_chunk_loss
@@ -30,7 +31,7 @@ def triton_backend(monkeypatch):
     # The default chunk rule at a tiny budget: 16 rows of fp32 logits at V = 53 (the real budget
     # gives 4096 padded rows, minutes in the interpreter). test_chunk_rule checks the real rule.
     # fp32 dweight → weight dtype in slabs of 5 rows (slab 0 through a temporary, the rest in place)
-    monkeypatch.setattr(lf, "CAST_SLAB_BYTES", 5 * 4 * H)  # seam: a memory bound, no switch
+    monkeypatch.setattr(dweight_accum, "CAST_SLAB_BYTES", 5 * 4 * H)  # seam: a memory bound, no switch
     # fp32 chunk logits (the default), so half inputs are held to fp32-reference tolerances; "input"
     # (half-precision logits) is tested on its own in test_input_dtype_logits_option.
     with rk.use_options(

@@ -495,20 +495,8 @@ class _Engine:
         if dw is not None:
             # The first group writes (beta = 0): no zero-fill and no read of the V·H accumulator.
             first, self.dw_started = not self.dw_started, True
-            if dw.dtype == g.dtype:  # fp32 inputs, or dweight_accum="weight"
-                torch.mm(g.t(), hb, out=dw) if first else dw.addmm_(g.t(), hb)
-            elif g.device.type == "cuda" and _mm_out_dtype_supported(g.device):
-                if first:
-                    torch.mm(g.t(), hb, out_dtype=torch.float32, out=dw)
-                else:
-                    torch.addmm(dw, g.t(), hb, out_dtype=torch.float32, out=dw)
-            elif g.device.type == "cuda":
-                # No mm(out_dtype=...) in this torch: the group's product is rounded to the input
-                # dtype once (a V·H temporary), the sum across groups stays fp32.
-                part = torch.mm(g.t(), hb)
-                dw.copy_(part) if first else dw.add_(part)
-            else:  # CPU: fp32 math on an upcast copy of the group
-                torch.mm(g.t().float(), hb.float(), out=dw) if first else dw.addmm_(g.t().float(), hb.float())
+            for cols, part in dw.parts:  # ops._dweight_accum.DweightAccumulator: one or two row ranges
+                _accumulate_dweight(part, g.t() if cols is None else g[:, cols].t(), hb, first)
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
 
@@ -611,10 +599,24 @@ def _padded(x, c, start, n):
     return out
 
 
-def _dweight_buffer(weight, accum):
-    # Uninitialized: the first group's GEMM writes it (``_Engine.group_grads``); N = 0 zeroes it.
-    dt = torch.float32 if accum == "fp32" else weight.dtype
-    return torch.empty(weight.shape, dtype=dt, device=weight.device)
+def _accumulate_dweight(acc: torch.Tensor, gt: torch.Tensor, hb: torch.Tensor, first: bool) -> None:
+    """``acc (=|+=) gt @ hb``: one group's dweight rows ``[R, H]`` from its gradient columns ``gt``
+    ``[R, G]`` and hidden rows ``hb`` ``[G, H]``; the sum across groups in ``acc``'s dtype (fp32 via
+    ``mm(out_dtype=fp32)`` for 16-bit inputs on CUDA). ``first`` writes instead of adding."""
+    if acc.dtype == gt.dtype:  # fp32 inputs, or dweight_accum="weight"
+        torch.mm(gt, hb, out=acc) if first else acc.addmm_(gt, hb)
+    elif gt.device.type == "cuda" and _mm_out_dtype_supported(gt.device):
+        if first:
+            torch.mm(gt, hb, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, gt, hb, out_dtype=torch.float32, out=acc)
+    elif gt.device.type == "cuda":
+        # No mm(out_dtype=...) in this torch: the group's product is rounded to the input dtype
+        # once (a temporary of acc's shape), the sum across groups stays fp32.
+        part = torch.mm(gt, hb)
+        acc.copy_(part) if first else acc.add_(part)
+    else:  # CPU: fp32 math on an upcast copy of the group
+        torch.mm(gt.float(), hb.float(), out=acc) if first else acc.addmm_(gt.float(), hb.float())
 
 
 @dataclasses.dataclass(frozen=True)

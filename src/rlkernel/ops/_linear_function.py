@@ -98,17 +98,18 @@ Memory model of the cuBLAS chunks (b = 4 for fp32 chunk logits, 2 for bf16; the 
 
     chunk/group     C·V·b fp32 logits (none with bf16 logits: they live in the gradient buffer)
                     + G·V·2 gradient + G·H·2 staged hidden
-    dweight         V·H·4 fp32 accumulator (``dweight_accum="fp32"``), cast to the weight's dtype
-                    slab by slab *into the accumulator's own storage* at the end, so that no second
-                    V·H buffer exists at once; or V·H·2 accumulated in the weight's dtype
+    dweight         V·H·4 fp32 accumulator (``dweight_accum="fp32"``, two allocations: see
+                    ``ops._dweight_accum``), cast to the weight's dtype *into the accumulator's own
+                    bytes* at the end, so that no second V·H buffer exists at once and the half that
+                    the gradient does not use is freed; or V·H·2 accumulated in the weight's dtype
                     (``"weight"``: one bf16 rounding per group, half the memory and traffic)
     dhidden         N·H·2 (an output)
 
 At V = 151,936, H = 4096 the fp32 accumulator alone is 2.49 GB, so peak extra memory with fp32
 accumulation is ~2.5 GB + ~1.3 GB of chunk buffers (defaults), flat in N. The ≤ 1.5 GB budget
 holds for a frozen weight, or with ``dweight_accum="weight"`` and smaller C/G; it cannot hold with
-an fp32 V·H accumulator. The fp32-accumulated dweight returned is a view of the first half of the
-accumulator's storage (the other half is dead but stays allocated as long as the gradient lives).
+an fp32 V·H accumulator. The fp32-accumulated dweight returned is exactly the size of a V·H
+gradient in the weight's dtype (the accumulator's first allocation; the second is freed at the cast).
 
 Whole batch: the gradient rows N·V·2 (1.87 GB at 6,144 rows) instead of the accumulator, plus the
 V·H dweight output in the weight's dtype; the fp32 chunk logits exist during the forward loop only.
@@ -148,10 +149,10 @@ import torch
 from rlkernel._autocast import without_autocast
 from rlkernel._options import DweightAccum, LogitsDtype, current_options
 from rlkernel.ops import _autograd as autograd_state
+from rlkernel.ops._dweight_accum import DweightAccumulator
 from rlkernel.ops._linear_engine import (
     EngineSettings,
     _active_rows,
-    _dweight_buffer,
     _Engine,
     _padded,
     _scatter,
@@ -159,9 +160,6 @@ from rlkernel.ops._linear_engine import (
     scaled,
     whole_batch_grads,
 )
-
-# Rows of dweight cast per slab at the end of the fp32 accumulation (bounds the cast's temporary).
-CAST_SLAB_BYTES = 64 << 20
 
 # coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy); ``rows`` is a ``slice`` of the flat
 # tokens, or (padding compaction) an int64 tensor of their flat positions (see fused_linear_token_loss).
@@ -171,42 +169,14 @@ CoefFn = Callable[
 ]
 
 
-def _cast_into_own_storage(acc: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
-    """``(acc * scale).to(dtype)`` for a contiguous fp32 ``[V, H]`` accumulator and a 16-bit ``dtype``
-    (:func:`_finish_dweight` scales a same-dtype buffer in place), written slab by slab
-    into the first half of ``acc``'s storage (no second V·H buffer). Slab k ≥ 1 of the output lies
-    in bytes of slabs < k of the input, already consumed (stream order); slab 0 goes via a temporary."""
-    v, h = acc.shape
-    out = acc.view(-1).view(dtype)[: v * h].view(v, h)
-    step = max(1, CAST_SLAB_BYTES // max(4 * h, 1))
-    for start in range(0, v, step):
-        rows = slice(start, min(start + step, v))
-        src = acc[rows]
-        if start == 0:  # overlaps its own source: through a slab-sized temporary
-            out[rows].copy_(src * scale if scale is not None else src.to(dtype))
-        elif scale is not None:
-            scaled(src, scale, out=out[rows])  # scale and cast in one pass (fp32 math, one rounding)
-        else:
-            out[rows].copy_(src)
-    return out
-
-
 def _grad_buffers(eng: _Engine, bias, need_h, need_w, need_b):
     """The grouped loop's dhidden, dweight accumulator and fp32 dbias (None where not needed).
     Compacted: the ignored rows are never projected, their dhidden rows stay exactly 0."""
     h = eng.h
     dh = (torch.zeros_like(h) if eng.idx is not None else torch.empty_like(h)) if need_h else None
-    dw = _dweight_buffer(eng.w, eng.dweight_accum) if need_w else None
+    dw = DweightAccumulator(eng.w, eng.dweight_accum) if need_w else None
     db = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if need_b else None
     return dh, dw, db
-
-
-def _finish_dweight(dw, dtype, scale):
-    if dw is None:
-        return None
-    if dw.dtype == dtype:
-        return scaled(dw, scale, out=dw) if scale is not None else dw
-    return _cast_into_own_storage(dw, dtype, scale)
 
 
 # -------------------------------------------------------------------------------------- primitive
@@ -276,10 +246,12 @@ class _LinearLogprobsFunction(torch.autograd.Function):
                 )
             else:
                 eng.group_grads(rows, n, m, dh, dw, db)
-        if dw is not None and not eng.whole and not eng.dw_started:
+        grouped = not eng.whole
+        if dw is not None and grouped and not eng.dw_started:
             dw.zero_()
         del eng
-        dw = _finish_dweight(dw, weight.dtype, None)
+        if dw is not None and grouped:
+            dw = dw.finish()  # the weight's dtype; a whole batch's GEMM made it so already
         db = None if db is None else db.to(bias.dtype)
         return hr.layout.grad(dh), dw, db, None, None, None, None, None
 
@@ -487,8 +459,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             # Another backward will read the buffers: hand out scaled copies (same numbers: fp32 math,
             # one rounding to the output dtype) and keep the buffers as they are.
             dh = None if dh is None else scaled(dh, scale)
-            if dw is not None:
-                dw = scaled(dw, scale, out=torch.empty(dw.shape, dtype=w_dtype, device=dw.device))
+            dw = None if dw is None else dw.scaled_copy(scale)
             db = None if db is None else (db * scale).to(b_dtype)
             return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
         ctx.grads = None  # the buffers become the caller's gradients
@@ -496,7 +467,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             dh = scaled(dh, scale, out=dh)  # in place, computed in fp32; exact for g == 1
         if dw is not None:
             # fp32 accumulator: the scale is folded into the final cast (one pass that runs anyway).
-            dw = _finish_dweight(dw, w_dtype, scale)
+            dw = dw.finish(scale)
         if db is not None:
             db = (db * scale).to(b_dtype)
         return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
