@@ -236,3 +236,19 @@ def test_frozen_weight_uses_small_chunks_with_the_same_logprobs(monkeypatch):
     rlp = ref.linear_token_logprobs(hh, w, ids)
     (rdh,) = torch.autograd.grad((coef.double() * rlp.double() * (ids != -100)).sum(), (hh,))
     assert rel(dh_frozen, rdh) <= 1e-2
+
+
+@pytest.mark.parametrize("hdim, chunk, group", [(4096, 2048, 4096), (1024, 1024, 1024), (2048, 2048, 2048)])
+def test_default_chunk_and_group_rows_at_the_real_vocabulary(hdim, chunk, group):
+    """The engine's C and G with default sizes on the epilogue kernel at V = 151,936 (bf16, fp32
+    statistics): the group is capped at max(1024, H) rows, the chunk at the group, a trainable
+    weight's group never below that cap (so the whole-batch rule keeps its G + H rows); a frozen
+    weight's both at FROZEN_WEIGHT_ROWS. Meta tensors: no memory, nothing runs."""
+    w = torch.empty(151936, hdim, dtype=torch.bfloat16, device="meta")
+    h = torch.empty(8, hdim, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(8, dtype=torch.int64, device="meta")
+    settings = engine.EngineSettings(head_gemm="triton", whole_batch=False)  # 8 rows: the groups'
+    eng = engine._Engine(h, w, None, ids, 1.0, -100, settings, need_dweight=True)
+    assert eng.epi and (eng.c, eng.cg) == (chunk, group)
+    frozen = engine._Engine(h, w, None, ids, 1.0, -100, settings, dhidden_only=True)
+    assert frozen.c == frozen.cg == engine.FROZEN_WEIGHT_ROWS

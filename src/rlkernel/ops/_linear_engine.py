@@ -290,8 +290,11 @@ class _Engine:
         self.c = settings.chunk_rows or chunk_rows_for(self.v, zdt, settings.chunk_bytes)
         cg = settings.grad_rows or grad_rows_for(self.v, dt, settings.grad_bytes, self.hdim)
         if self.epi and settings.chunk_rows is None and settings.grad_rows is None:
-            # Row invariant at any M: the chunk follows a smaller group (its exponents live there).
-            self.c = cg = min(self.c, cg, FROZEN_WEIGHT_ROWS if dhidden_only else cg)
+            # Row invariant at any M: the chunk follows a smaller group (its exponents live there);
+            # a frozen weight shrinks both (FROZEN_WEIGHT_ROWS).
+            self.c = min(self.c, cg)
+            if dhidden_only:
+                self.c = cg = min(self.c, FROZEN_WEIGHT_ROWS)
         self.cg = max(self.c, cg // self.c * self.c)
         # Whole batch: one group of every row (rounded up to whole chunks), when dweight is wanted.
         m_all = self._padded_rows(self.n)
