@@ -36,11 +36,18 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit(do_not_specialize=["n"])
 def _scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     scale = tl.load(scale_ptr)
-    x = tl.load(src_ptr + offs, mask=mask).to(tl.float32)
-    tl.store(dst_ptr + offs, (x * scale).to(dst_ptr.dtype.element_ty), mask=mask)
+    if (pid + 1) * BLOCK <= n:
+        # Full blocks unmasked: with ``n`` unspecialized a mask ``offs < n`` has no known constancy,
+        # so Triton would emit one scalar access per element (~1 TB/s on the H100 instead of ~2.8).
+        x = tl.load(src_ptr + offs).to(tl.float32)
+        tl.store(dst_ptr + offs, (x * scale).to(dst_ptr.dtype.element_ty))
+    else:
+        mask = offs < n
+        x = tl.load(src_ptr + offs, mask=mask).to(tl.float32)
+        tl.store(dst_ptr + offs, (x * scale).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 _launch = FastLauncher(_scale_cast_kernel)
