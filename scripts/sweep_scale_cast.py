@@ -4,28 +4,16 @@
 
 The fused LM head's backward runs it on the fp32 dweight accumulator (fp32 → bf16, 1.24 GB per
 half at V = 151,936, H = 4096) and on dhidden in place (bf16, N·H). Prints ms and TB/s (bytes read
-+ written) per case, median of 20 calls after warm-up, and whether the output's bits equal
-``(src.float() * scale).to(dst.dtype)``.
++ written) per case, median of 20 calls (``bench.timing.gpu_time_ms``: each behind an L2-evicting
+write), and whether the output's bits equal ``(src.float() * scale).to(dst.dtype)``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlkernel.bench.timing import gpu_time_ms
 from rlkernel.kernels.scale_cast import scale_cast_into
-
-
-def _ms(fn, reps=20):
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -46,9 +34,9 @@ def main() -> None:
         same = torch.equal(out, expect)
         nbytes = n * (sdt.itemsize + ddt.itemsize)
         dst = src if inplace else out  # timed in place: the values shrink, the bytes do not
-        t = _ms(lambda s=src, d=dst: scale_cast_into(s, d, scale))
+        t = gpu_time_ms(lambda s=src, d=dst: scale_cast_into(s, d, scale), dev, reps=20)
         other = torch.empty(n, dtype=ddt, device=dev)
-        tc = _ms(lambda s=src, o=other: o.copy_(s))
+        tc = gpu_time_ms(lambda s=src, o=other: o.copy_(s), dev, reps=20)
         print(f"{name:34s} {t:13.3f} {nbytes / t / 1e9:6.2f} {tc:9.3f} {nbytes / tc / 1e9:6.2f}  {same}")
 
 

@@ -159,11 +159,8 @@ def test_which_path_runs():
         rk.Options(linear_head_gemm="cutlass")
 
 
-def test_small_hidden_size_caps_groups_with_the_same_logprobs(monkeypatch):
-    """A gradient group holds at most max(H_GROUP_FLOOR, H) rows (default sizes), and on the epilogue
-    kernel the chunk follows it: the fused loss then runs grouped (an fp32 dweight accumulator)
-    instead of one whole-batch group; the log-probs keep their bits and the gradients match the
-    reference."""
+def _spy_statistics_rows(monkeypatch) -> list[int]:
+    """A list that records the rows of each fused-loss statistics launch (seam: a spy)."""
     rows_per_launch = []
     real = lh.linear_head_stats_shifted
 
@@ -172,6 +169,15 @@ def test_small_hidden_size_caps_groups_with_the_same_logprobs(monkeypatch):
         return real(h, *a, **k)
 
     monkeypatch.setattr(lh, "linear_head_stats_shifted", spy)  # seam: spy
+    return rows_per_launch
+
+
+def test_small_hidden_size_caps_groups_with_the_same_logprobs(monkeypatch):
+    """A gradient group holds at most max(H_GROUP_FLOOR, H) rows (default sizes), and on the epilogue
+    kernel the chunk follows it: the fused loss then runs grouped (an fp32 dweight accumulator)
+    instead of one whole-batch group; the log-probs keep their bits and the gradients match the
+    reference."""
+    rows_per_launch = _spy_statistics_rows(monkeypatch)
     h, w, ids = make(seed=6)
     coef = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)
 
@@ -203,14 +209,7 @@ def test_frozen_weight_uses_small_chunks_with_the_same_logprobs(monkeypatch):
     epilogue kernel (default sizes only); the log-probs keep their bits (the kernel is row
     invariant at any M) and dhidden matches the reference."""
     monkeypatch.setattr(engine, "FROZEN_WEIGHT_ROWS", 16)  # seam: 45 rows make several chunks
-    rows_per_launch = []
-    real = lh.linear_head_stats_shifted
-
-    def spy(h, *a, **k):
-        rows_per_launch.append(h.shape[0])
-        return real(h, *a, **k)
-
-    monkeypatch.setattr(lh, "linear_head_stats_shifted", spy)  # seam: spy
+    rows_per_launch = _spy_statistics_rows(monkeypatch)
     h, w, ids = make(seed=4)
     coef = torch.randn(N, generator=torch.Generator().manual_seed(5)).to(DEVICE)
 
