@@ -45,9 +45,9 @@ class DweightAccumulator:
         self.shape, self.out_dtype = (v, h), weight.dtype
         dt = torch.float32 if accum == "fp32" else weight.dtype
         dev = weight.device
-        v1 = -(-v // 2 // SPLIT_ROW_MULTIPLE) * SPLIT_ROW_MULTIPLE if v > 1 else v
-        v1 = max(v1, -(-v // 2))  # top's bytes hold the whole 16-bit gradient
-        if dt == weight.dtype or dt.itemsize != 2 * weight.dtype.itemsize or v1 >= v:
+        # ceil(V / 2) rounded up to SPLIT_ROW_MULTIPLE: top's bytes hold the whole 16-bit gradient.
+        v1 = -(-v // 2 // SPLIT_ROW_MULTIPLE) * SPLIT_ROW_MULTIPLE
+        if dt == weight.dtype or v1 >= v:  # same dtype (nothing to cast), or too few rows to split
             # Uninitialized: the first group's GEMM writes it (beta = 0); no rows: zero_().
             self.parts = [(None, torch.empty(v, h, dtype=dt, device=dev))]
         else:

@@ -431,7 +431,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             ctx.needs = (need_h, need_w, need_b, hr.rows.shape[0])
         ctx.grads = (dh, dw, db)
         ctx.hidden_layout = hr.layout  # dhidden rows → hidden's shape
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
             logp = _scatter(logp, idx, ids.numel())
             entropy = None if entropy is None else _scatter(entropy, idx, ids.numel())
@@ -451,7 +451,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
                 "run it under rlkernel.use_options(token_level_fusion=False) (the 4-GEMM composed path)",
             )
         dh, dw, db = ctx.grads
-        w_dtype, b_dtype = ctx.dtypes
+        b_dtype = ctx.bias_dtype
         if g_loss is None:
             return (None,) * 9
         scale = g_loss.to(torch.float32)
@@ -488,7 +488,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         dh, dw, db = whole_batch_grads(
             wb, weight, n_rows, need_h, need_w, need_b, scale=g_loss.to(torch.float32)
         )
-        db = None if db is None else db.to(ctx.dtypes[1])
+        db = None if db is None else db.to(ctx.bias_dtype)
         return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
 
 
