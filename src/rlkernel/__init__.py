@@ -10,6 +10,7 @@ Public API (see docs/ and DESIGN.md):
     use_backend                                     force "triton" / "reference" for a block of code
     use_options, Options, current_options          every other switch, scoped to a block of code
     raise_pending_errors                            raise a deferred token-id error now (CUDA)
+    Route, record_routes                            which kernels a call ran (out.route; the primitives')
 """
 
 from rlkernel._dispatch import use_backend
@@ -17,6 +18,7 @@ from rlkernel._options import MatmulThresholds, Options, current_options, use_op
 from rlkernel.distributed import global_normalizers
 from rlkernel.ops.id_checks import raise_pending_errors
 from rlkernel.ops.logprobs import linear_token_logprobs, token_logprobs
+from rlkernel.ops.routes import Route, record_routes
 from rlkernel.rl import (
     PolicyLossConfig,
     PolicyLossOutput,
@@ -33,6 +35,7 @@ __all__ = [
     "Options",
     "PolicyLossConfig",
     "PolicyLossOutput",
+    "Route",
     "__version__",
     "current_options",
     "fused_policy_loss",
@@ -42,6 +45,7 @@ __all__ = [
     "linear_token_logprobs",
     "policy_loss",
     "raise_pending_errors",
+    "record_routes",
     "token_logprobs",
     "use_backend",
     "use_options",

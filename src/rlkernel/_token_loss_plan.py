@@ -378,3 +378,90 @@ class TokenLossPlan:
             scalars=scalars, seq_len=seq_len, adv_per_seq=bool(adv_per_seq),
             factor_per_seq=bool(factor_per_seq), row0=row0, ignore_index=ignore_index,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------------------ the device-built plan
+COUNT_NONE, COUNT_TOKENS, COUNT_SEQS = 0, 1, 2  # what the mask-count kernel counts for the denominator
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DevicePlan:
+    """A token-level loss over a padded ``[S, T]`` batch whose count-derived constants, masked ids
+    and id check the kernels compute themselves (``rlkernel.kernels.token_loss_rows``), so that the
+    host launches two kernels instead of building a :class:`TokenLossPlan` with torch ops.
+
+    The kernels then see the same per-token constants a :class:`TokenLossPlan` of the batch holds:
+    ``ids`` = ``max(token_id, -1)`` where ``mask != 0``, ``ignore_index`` elsewhere; the
+    aggregation's denominator counted from the mask (``count``: active tokens for ``token-mean``,
+    sequences with an active token for the ``seq-mean-*`` modes) unless a global normalizer is
+    given (``denom`` / ``scalars.norm_mult``); ``seq-mean-token-mean``'s factor 1/max(n_i, 1) per
+    sequence (``factor_per_seq``). Same bits, fewer host operations.
+
+    Attributes:
+        token_ids: int ``[S·T]`` (flat, contiguous, any integer dtype): the sampled ids as given.
+        mask: ``[S·T]`` (flat, contiguous, bool / integer / floating): active where ``!= 0``.
+        old, adv, ref: as :class:`TokenLossPlan`'s (flat contiguous views, any float dtype; the
+            kernels read them as fp32).
+        scalars: the loss's :class:`TokenLossScalars`.
+        seq_len: T.
+        n_seqs: S.
+        adv_per_seq: ``adv`` is ``[S]``.
+        count: ``COUNT_NONE`` (a global normalizer, or ``token-sum``), ``COUNT_TOKENS`` or
+            ``COUNT_SEQS``: what the denominator counts.
+        denom: a 0-dim device normalizer (``count == COUNT_NONE``), or None.
+        factor_per_seq: ``seq-mean-token-mean``'s 1/n_i factor.
+        check_ids: count the active ids outside ``[0, V)`` (the deferred id check).
+        ignore_index: the id given to inactive tokens.
+    """
+
+    token_ids: torch.Tensor
+    mask: torch.Tensor
+    old: torch.Tensor | None
+    adv: torch.Tensor
+    ref: torch.Tensor | None
+    scalars: TokenLossScalars
+    seq_len: int
+    n_seqs: int
+    adv_per_seq: bool
+    count: int
+    denom: torch.Tensor | None
+    factor_per_seq: bool
+    check_ids: bool
+    ignore_index: int = IGNORE_INDEX
+
+    @property
+    def want_entropy(self) -> bool:
+        """Whether the loss has an entropy term (``scalars.entropy_coef != 0``)."""
+        return self.scalars.want_entropy
+
+    def kernel_inputs(
+        self, counts: torch.Tensor, factor: torch.Tensor, absent: torch.Tensor
+    ) -> TokenLossKernelInputs:
+        """The per-token pointers in kernel order; ``counts`` (int64, its element 0 the counted
+        denominator) and ``factor`` (fp32 ``[S]``) are the mask-count kernel's outputs."""
+        denom = counts if self.count != COUNT_NONE else self.denom
+        return TokenLossKernelInputs(
+            old=self.old if self.old is not None else absent,
+            adv=self.adv,
+            ref=self.ref if self.ref is not None else absent,
+            rollout_w=absent,
+            factor=factor if self.factor_per_seq else absent,
+            denom=denom if denom is not None else absent,
+        )
+
+    def kernel_branches(self) -> TokenLossBranches:
+        """The constexpr branch choices (those of the equivalent :class:`TokenLossPlan`)."""
+        s = self.scalars
+        return TokenLossBranches(
+            LOSS=LOSS_CODES[s.loss],
+            KL=KL_CODES[s.kl],
+            KL_STRAIGHT=bool(s.kl_straight),
+            HAS_DUAL=s.dual_clip is not None,
+            HAS_OLD=self.old is not None,
+            HAS_ENTROPY=s.want_entropy,
+            HAS_ROLLOUT=False,
+            HAS_FACTOR=self.factor_per_seq,
+            HAS_DENOM=self.count != COUNT_NONE or self.denom is not None,
+            ADV_PER_SEQ=bool(self.adv_per_seq),
+            FACTOR_PER_SEQ=self.factor_per_seq,
+        )

@@ -139,22 +139,11 @@ def assert_same(a, b, p, source, tol):
         torch.testing.assert_close(a.metrics[key], b.metrics[key], atol=1e-5, rtol=1e-5)
 
 
-def token_path_spy(monkeypatch, set_options, two_pass=False):
-    """Calls that take the fused token-level path (they build a token-level plan); ``two_pass``
-    forces the gradient-in-forward path (or the 3-pass one) whatever the vocabulary size. A call
-    without a plan takes the fused coefficient path (or the composed one) and builds none."""
-    import rlkernel.rl.token_loss as tl_mod
-
+def force_passes(set_options, two_pass=False):
+    """Force the gradient-in-forward route (``two_pass``) or the 3-pass one whatever V; returns the
+    pass count a token-level route then reports (``out.route.passes``)."""
     set_options(grad_in_forward_max_vocab=1 << 30 if two_pass else 0)
-    calls = []
-    real = tl_mod.plan_from_batch
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tl_mod, "plan_from_batch", spy)  # seam: spy on which path a call takes
-    return calls
+    return 2 if two_pass else 3
 
 
 def triton_vs_reference(cfg, p, **overrides):

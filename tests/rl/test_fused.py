@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import rlkernel as rk
+from rlkernel.ops.routes import Route
 
 from .formulas_more import MORE_LOSS_CONFIGS
 from .helpers import LOSS_CONFIGS, config, make_batch
@@ -220,22 +221,10 @@ def _on_device(p):
     return q
 
 
-def _token_path_spy(monkeypatch, set_options, two_pass: bool = False):
-    """Spy on the fused token-level launcher; ``two_pass`` picks (and forces) the
-    gradient-in-forward path or the 3-pass one, whatever the vocabulary size."""
-    import rlkernel.ops._logprobs_function as fn_mod
-
+def _two_pass(set_options, two_pass: bool = False):
+    """Force the gradient-in-forward route (``two_pass``) or the 3-pass one, whatever V."""
     set_options(grad_in_forward_max_vocab=1 << 30 if two_pass else 0)
-    name = "token_loss_grad_in_forward_triton" if two_pass else "token_loss_triton"
-    calls = []
-    real = getattr(fn_mod, name)
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fn_mod, name, spy)  # seam: spy
-    return calls
+    return 2 if two_pass else 3
 
 
 def _triton_vs_reference(cfg, p, temperature=0.7, **extra):
@@ -257,12 +246,16 @@ def _triton_vs_reference(cfg, p, temperature=0.7, **extra):
 @pytest.mark.parametrize("two_pass", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("name", TOKEN_LEVEL)
-def test_token_level_path_equals_composition(name, packed, two_pass, monkeypatch, set_options):
-    calls = _token_path_spy(monkeypatch, set_options, two_pass)
-    cfg = config(name, kl_coef=0.1, entropy_coef=0.02, rollout_correction="seq_tis")
+@pytest.mark.parametrize("correction", [None, "seq_tis"])
+def test_token_level_path_equals_composition(name, packed, two_pass, correction, set_options):
+    """Both token-level routes (constants built on the device: padded, no rollout correction; on
+    the host otherwise) in both pass counts equal the composed reference."""
+    passes = _two_pass(set_options, two_pass)
+    cfg = config(name, kl_coef=0.1, entropy_coef=0.02, rollout_correction=correction)
     p = _on_device(_problem(seed=len(name), packed=packed))
     fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
-    assert calls, "the eligible config did not take the fused token-level path"
+    plan = "device" if correction is None and not packed else "host"
+    assert fused.route == Route("logits", "token", "triton", passes=passes, plan=plan), str(fused.route)
     torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
     assert fused.metrics.keys() == composed.metrics.keys()
@@ -272,8 +265,8 @@ def test_token_level_path_equals_composition(name, packed, two_pass, monkeypatch
 
 @interpreter_quiet
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_token_level_path_with_global_normalizers(aggregation, monkeypatch, set_options):
-    calls = _token_path_spy(monkeypatch, set_options)
+def test_token_level_path_with_global_normalizers(aggregation, set_options):
+    _two_pass(set_options)
     cfg = config("ppo", aggregation=aggregation, kl_coef=0.1, kl_estimator="k3")
     p = _on_device(_problem(seed=12))
     b = p["batch"]
@@ -288,24 +281,24 @@ def test_token_level_path_with_global_normalizers(aggregation, monkeypatch, set_
         global_seqs=torch.tensor(5.0, device=DEVICE),
     )
     fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p, **kw)
-    assert calls
+    assert fused.route == Route("logits", "token", "triton", passes=3, plan="device")
     torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
 
 
 @interpreter_quiet
 @pytest.mark.parametrize("estimator", ["k3", "k3_unclamped"])
-def test_token_level_path_k3_forms_at_far_drifts(estimator, monkeypatch, set_options):
+def test_token_level_path_k3_forms_at_far_drifts(estimator, set_options):
     """k3 with verl's clamps and TRL's unclamped k3 where the clamps bite (ref_logp from −30 to 10
     against log-probs of the logits in about [−8, 0]: ref − logp up to ~18): the fused kernel's KL
     branch equals the composed path."""
-    calls = _token_path_spy(monkeypatch, set_options)
+    _two_pass(set_options)
     cfg = config("ppo", kl_coef=0.1, kl_estimator=estimator)
     p = _on_device(_problem(seed=13))
     b = p["batch"]
     b["ref_logp"] = torch.linspace(-30.0, 10.0, b["ref_logp"].numel(), device=DEVICE).reshape(b["mask"].shape)
     fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
-    assert calls
+    assert fused.route.objective == "token"
     torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
 
@@ -313,39 +306,16 @@ def test_token_level_path_k3_forms_at_far_drifts(estimator, monkeypatch, set_opt
 SEQUENCE_LEVEL = [n for n, c in LOSS_CONFIGS.items() if n not in TOKEN_LEVEL]
 
 
-def _coefficient_path_spy(monkeypatch):
-    """Spy on the fused coefficient paths (objectives without a token-level plan, from logits): the
-    names of the paths taken, ``"closed_form"`` (gspo, gspo_token, gmpo: rl.seq_token_loss) or
-    ``"autograd"`` (the algebra differentiated inside the forward)."""
-    import rlkernel.rl.fused as fused_mod
-
-    calls = []
-
-    def spy_on(attr: str, label: str) -> None:
-        real = getattr(fused_mod, attr)
-
-        def spy(*args, **kwargs):
-            calls.append(label)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(fused_mod, attr, spy)  # seam: spy
-
-    spy_on("_fused_autograd_coefficients", "autograd")
-    spy_on("_fused_sequence_level", "closed_form")
-    return calls
-
-
 @interpreter_quiet
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("name", SEQUENCE_LEVEL)
-def test_sequence_level_fused_path_equals_composition(name, aggregation, packed, monkeypatch):
-    calls = _coefficient_path_spy(monkeypatch)
+def test_sequence_level_fused_path_equals_composition(name, aggregation, packed):
     extra = dict(kl_coef=0.1, entropy_coef=0.02, rollout_correction="token_tis")
     cfg = config(name, aggregation=aggregation, **extra)
     p = _on_device(_problem(seed=len(name) + len(aggregation), packed=packed))
     fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
-    assert calls, "the sequence-level config did not take the fused coefficient path"
+    assert fused.route.objective in ("sequence", "autograd") and fused.route.passes == 3
     torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
     assert fused.metrics.keys() == composed.metrics.keys()
@@ -357,21 +327,20 @@ def test_sequence_level_fused_path_equals_composition(name, aggregation, packed,
 @pytest.mark.parametrize(
     ("name", "extra", "path"),
     [
-        ("gspo", {}, "closed_form"),
-        ("gspo_token", {"rollout_correction": "seq_tis"}, "closed_form"),
-        ("gmpo", {"entropy_coef": 0.05}, "closed_form"),
+        ("gspo", {}, "sequence"),
+        ("gspo_token", {"rollout_correction": "seq_tis"}, "sequence"),
+        ("gmpo", {"entropy_coef": 0.05}, "sequence"),
         ("gmpo", {"rollout_correction": "token_tis"}, "autograd"),  # folded per sequence
         ("gspo", {"kl_ratio_weighted": True}, "autograd"),
     ],
 )
-def test_sequence_level_closed_form_or_autograd_coefficients(name, extra, path, monkeypatch):
+def test_sequence_level_closed_form_or_autograd_coefficients(name, extra, path):
     """gspo, gspo_token and gmpo take the closed-form coefficients (rl.seq_token_loss) unless a
     setting needs the autograd algebra; both equal the composed path."""
-    calls = _coefficient_path_spy(monkeypatch)
     cfg = config(name, kl_coef=0.1, **extra)
-    p = _on_device(_problem(seed=31 + len(name), packed=path == "closed_form" and name == "gmpo"))
+    p = _on_device(_problem(seed=31 + len(name), packed=path == "sequence" and name == "gmpo"))
     fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
-    assert calls == [path]
+    assert fused.route == Route("logits", path, "triton", passes=3)
     torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
     for key in composed.metrics:
@@ -379,10 +348,9 @@ def test_sequence_level_closed_form_or_autograd_coefficients(name, extra, path, 
 
 
 @interpreter_quiet
-def test_sequence_level_fused_path_with_global_normalizers_and_sliced_logits(monkeypatch):
+def test_sequence_level_fused_path_with_global_normalizers_and_sliced_logits():
     """gspo from a window of a larger base (the model output's slice): the base gets the whole
     gradient, zero outside the window, equal to the composed path's."""
-    calls = _coefficient_path_spy(monkeypatch)
     cfg = config("gspo", aggregation="seq-mean-token-mean")
     p = _on_device(_problem(seed=21))
     b = p["batch"]
@@ -390,24 +358,24 @@ def test_sequence_level_fused_path_with_global_normalizers_and_sliced_logits(mon
     base.requires_grad_(True)
     kw = dict(token_ids=p["ids"], old_logp=b["old_logp"], advantages=b["advantages"], mask=b["mask"],
               global_seqs=torch.tensor(5.0, device=DEVICE))  # fmt: skip
-    grads = []
+    grads, routes = [], []
     for backend in ("triton", "reference"):
         with rk.use_backend(backend):
             out = rk.fused_policy_loss(cfg, logits=base[:, 1:-1], **kw)
             grads.append((out.loss, *torch.autograd.grad(out.loss, base)))
-    assert calls
+            routes.append(out.route.objective)
+    assert routes == ["sequence", "composed"]
     torch.testing.assert_close(grads[0][0], grads[1][0], **F32_TOL)
     torch.testing.assert_close(grads[0][1], grads[1][1], **F32_TOL)
     assert torch.count_nonzero(grads[0][1][:, 0]) == 0 and torch.count_nonzero(grads[0][1][:, -1]) == 0
 
 
 @interpreter_quiet
-def test_sequence_level_without_grad_keeps_the_composed_path(monkeypatch):
-    calls = _coefficient_path_spy(monkeypatch)
+def test_sequence_level_without_grad_keeps_the_composed_path():
     p = _on_device(_problem(seed=22))
     with rk.use_backend("triton"), torch.no_grad():
         out = _fused(config("gspo"), p, "logits", 1.0)
-    assert not calls and torch.isfinite(out.loss)
+    assert out.route == Route("logits", "composed", "triton", passes=1) and torch.isfinite(out.loss)
 
 
 @interpreter_quiet
@@ -422,10 +390,10 @@ def test_sequence_level_all_masked_gives_zero_loss_and_gradient():
 
 @interpreter_quiet
 @pytest.mark.parametrize("name", [*MORE_LOSS_CONFIGS, "ppo_kl_ratio_weighted"])
-def test_issue14_types_take_the_fused_coefficient_path(name, monkeypatch):
+def test_issue14_types_take_the_fused_coefficient_path(name):
     """The loss types without a token-level plan (and the ratio-weighted KL) from logits: the fused
     coefficient path, equal to the composed path on the reference backend."""
-    calls = _coefficient_path_spy(monkeypatch)
+    routes = []
     cfg = rk.PolicyLossConfig(**{**FUSED_CONFIGS[name], "kl_coef": 0.1})
     p = _on_device(_problem(seed=13))
     results = []
@@ -434,7 +402,8 @@ def test_issue14_types_take_the_fused_coefficient_path(name, monkeypatch):
         with rk.use_backend(backend):
             out = _fused(cfg, p, "logits", 0.7)
             results.append((out.loss, torch.autograd.grad(out.loss, p["logits"])[0]))
-    assert calls, "the config did not take the fused coefficient path"
+            routes.append(out.route.objective)
+    assert routes[0] in ("sequence", "autograd") and routes[1] == "composed"
     torch.testing.assert_close(results[0][0], results[1][0], **F32_TOL)
     torch.testing.assert_close(results[0][1], results[1][1], **F32_TOL)
 

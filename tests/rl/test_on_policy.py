@@ -33,11 +33,11 @@ from .mask_helpers import (
     F64_TOL,
     assert_same,
     composed,
+    force_passes,
     fused,
     interpreter_quiet,
     on_device,
     problem,
-    token_path_spy,
     triton_vs_reference,
 )
 
@@ -219,15 +219,16 @@ def test_plan_has_no_old_and_matches_policy_loss():
 @pytest.mark.parametrize(
     ("name", "packed"), [("ppo", False), ("cispo", True), ("sapo", False), ("reinforce", True)]
 )
-def test_token_level_kernel_path(name, packed, two_pass, monkeypatch, set_options):
+def test_token_level_kernel_path(name, packed, two_pass, set_options):
     """Every loss branch of the kernels' on-policy (HAS_OLD off) form, block and row kernels."""
-    calls = token_path_spy(monkeypatch, set_options, two_pass)
+    passes = force_passes(set_options, two_pass)
     cfg = config(name, kl_coef=0.1, entropy_coef=0.02)
     p = on_device(problem(seed=len(name) + 1, packed=packed))
     # given rollout weights need no old log-probs: still eligible (HAS_OLD off, HAS_ROLLOUT on)
     weights = p["batch"]["rollout_weights"] if two_pass else None
     a, b, ga, gb = triton_vs_reference(cfg, p, old_logp=None, rollout_weights=weights)
-    assert calls, "the on-policy call did not take the fused token-level path"
+    plan = "host" if packed or weights is not None else "device"
+    assert (a.route.objective, a.route.passes, a.route.plan) == ("token", passes, plan), str(a.route)
     torch.testing.assert_close(a.loss, b.loss, **F32_TOL)
     torch.testing.assert_close(ga, gb, **F32_TOL)
     for key in b.metrics:
@@ -238,14 +239,14 @@ def test_token_level_kernel_path(name, packed, two_pass, monkeypatch, set_option
 @pytest.mark.parametrize(
     "extra", [dict(rollout_correction="seq_tis"), dict(rollout_rs="token_k2", rollout_rs_max=0.02)]
 )
-def test_on_policy_rollout_terms_have_no_token_level_plan(extra, monkeypatch, set_options):
+def test_on_policy_rollout_terms_have_no_token_level_plan(extra, set_options):
     """Rollout weights and rejection of an on-policy call read this call's log-probs: not eligible."""
-    calls = token_path_spy(monkeypatch, set_options)
+    force_passes(set_options)
     cfg = config("ppo", **extra)
     assert not tl_mod.is_eligible(cfg, on_policy=True) and tl_mod.is_eligible(cfg)
     p = on_device(problem(seed=9))
     a, b, ga, gb = triton_vs_reference(cfg, p, old_logp=None)
-    assert not calls
+    assert a.route.objective == "autograd", str(a.route)
     torch.testing.assert_close(a.loss, b.loss, **F32_TOL)
     torch.testing.assert_close(ga, gb, **F32_TOL)
 
@@ -263,18 +264,8 @@ def test_bad_old_logp_still_rejected():
 
 
 @interpreter_quiet
-def test_token_level_linear_path(smallest_linear_chunks, monkeypatch):
+def test_token_level_linear_path(smallest_linear_chunks):
     """The hidden-state token-level path (chunked LM head, per-chunk plan rows) on-policy."""
-    import rlkernel.ops._linear_function as lf
-
-    calls = []
-    engine = lf.fused_linear_token_loss
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return engine(*args, **kwargs)
-
-    monkeypatch.setattr(lf, "fused_linear_token_loss", spy)  # seam: spy on which path the call takes
     p = problem(seed=21)
     for name in ("hidden", "weight", "bias"):
         p[name] = p[name].detach().float().requires_grad_(True)
@@ -286,7 +277,7 @@ def test_token_level_linear_path(smallest_linear_chunks, monkeypatch):
     with rk.use_backend("reference"):
         b = composed(cfg, p, "hidden", old_logp=None)
         gb = torch.autograd.grad(b.loss, [p["hidden"], p["weight"], p["bias"]])
-    assert calls, "the on-policy call did not take the fused linear token-level path"
+    assert (a.route.source, a.route.objective, a.route.passes) == ("hidden", "token", 3), str(a.route)
     torch.testing.assert_close(a.loss, b.loss, **F32_TOL)
     for x, y in zip(ga, gb, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)

@@ -37,11 +37,11 @@ from .mask_helpers import (
     VerlActorConfig,
     assert_same,
     composed,
+    force_passes,
     fused,
     interpreter_quiet,
     on_device,
     problem,
-    token_path_spy,
     triton_vs_reference,
     verl_modules,
 )
@@ -298,12 +298,12 @@ def test_fused_equals_composition(name, source, packed):
 @pytest.mark.parametrize(
     ("name", "criterion"), [("ppo", "token_k1"), ("cispo", "seq_sum_k3"), ("sapo", "seq_max_k2")]
 )
-def test_token_level_kernel_path(name, criterion, two_pass, monkeypatch, set_options):
-    calls = token_path_spy(monkeypatch, set_options, two_pass)
+def test_token_level_kernel_path(name, criterion, two_pass, set_options):
+    passes = force_passes(set_options, two_pass)
     cfg = _cfg(criterion, name, kl_coef=0.1, entropy_coef=0.02, aggregation="seq-mean-token-mean")
     p = on_device(problem(seed=5, packed=name == "cispo"))
     a, b, ga, gb = triton_vs_reference(cfg, p)
-    assert calls
+    assert (a.route.objective, a.route.passes, a.route.plan) == ("token", passes, "host"), str(a.route)
     torch.testing.assert_close(a.loss, b.loss, **F32_TOL)
     torch.testing.assert_close(ga, gb, **F32_TOL)
     for key in b.metrics:

@@ -33,11 +33,11 @@ from .mask_helpers import (
     VerlActorConfig,
     assert_same,
     composed,
+    force_passes,
     fused,
     interpreter_quiet,
     on_device,
     problem,
-    token_path_spy,
     triton_vs_reference,
     verl_modules,
 )
@@ -210,12 +210,12 @@ def test_fused_equals_composition(name, source, packed):
 @interpreter_quiet
 @pytest.mark.parametrize("two_pass", [False, True])
 @pytest.mark.parametrize("name", ["ppo", "sapo"])
-def test_token_level_kernel_path(name, two_pass, monkeypatch, set_options):
-    calls = token_path_spy(monkeypatch, set_options, two_pass)
+def test_token_level_kernel_path(name, two_pass, set_options):
+    passes = force_passes(set_options, two_pass)
     cfg = config(name, kl_coef=0.1, aggregation="seq-mean-token-mean")
     p = on_device(problem(seed=3, packed=name == "sapo"))
     a, b, ga, gb = triton_vs_reference(cfg, p, rollout_weights=p["batch"]["rollout_weights"])
-    assert calls
+    assert (a.route.objective, a.route.passes, a.route.plan) == ("token", passes, "host"), str(a.route)
     torch.testing.assert_close(a.loss, b.loss, **F32_TOL)
     torch.testing.assert_close(ga, gb, **F32_TOL)
 

@@ -27,7 +27,8 @@ tensor: Triton specializes it on its dtype and block shape only (the compiled la
 its class is (dtype, block shape, rank, padding, tf32 rounding).
 
 Falls back to Triton's own launch, with no change in results, when: the CPU interpreter runs (no
-compiled kernel), an argument is of another type (bool, None, a device-side descriptor), a launch hook
+compiled kernel), an argument is of another type (bool, None, a device-side descriptor; a tuple of
+such), a launch hook
 is installed (profilers such as proton: they see every launch as before), or this Triton's
 ``CompiledKernel`` lacks the attributes used here (``run``, ``function``, ``packed_metadata``: such
 a kernel is not kept).
@@ -75,13 +76,15 @@ def _classes(args: tuple) -> list:
     An int in [-16, 16] stands for itself; a larger one maps to 100 + (multiple of 16) + 2 × (needs
     64 bits) + 4 × (needs unsigned 64 bits), so no class of one collides with a value of the other.
     A tensor maps to (dtype, address mod 16); a float to ``float``; a host descriptor to
-    :func:`_descriptor_class`."""
+    :func:`_descriptor_class`; a (named) tuple, which Triton specializes element by element and
+    passes flattened, to the tuple of its elements' classes."""
     return [
         (a if -16 <= a <= 16 else 100 + (a & 15 == 0) + 2 * (not -2147483648 <= a <= 2147483647)
          + 4 * (a > 9223372036854775807))
         if type(a) is int
         else float if type(a) is float
         else _descriptor_class(a) if type(a) is _HostDescriptor
+        else tuple(_classes(a)) if isinstance(a, tuple)
         else (a.dtype, a.data_ptr() & 15)
         for a in args
     ]  # fmt: skip

@@ -248,7 +248,7 @@ def row_logprob_stats(
     return logp, shift * inv_t + log_l, entropy
 
 
-@triton.jit(do_not_specialize=["ignore_index"])
+@triton.jit(do_not_specialize=["ignore_index", "base_inner", "win_start", "win_len"])
 def _token_logprobs_bwd_kernel(
     # outputs
     dx_ptr,
@@ -269,6 +269,9 @@ def _token_logprobs_bwd_kernel(
     # sizes
     n_inner,
     n_cols,
+    base_inner,  # WINDOWED: rows of the base's last leading dim
+    win_start,  # WINDOWED: the window's first row there
+    win_len,  # WINDOWED: its rows there
     # runtime scalars
     temperature,
     ignore_index,
@@ -277,20 +280,33 @@ def _token_logprobs_bwd_kernel(
     HAS_GRAD_LOGP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """dx = [g_logp·(onehot − p) − g_H·p·(log p + H)] / T on one tile of one row, p = exp(x/T − lse).
 
     ``dx_ptr`` may equal ``x_ptr`` (in-place): each element is loaded before it is overwritten by
     the same program. Ignored rows store exact zeros and load nothing. With ``HAS_SCALE`` both
     upstream gradients are multiplied by the device scalar ``*scale_ptr`` (the 0-dim upstream
-    gradient of a fused loss: no extra launch, no host read)."""
-    row = tl.program_id(0).to(tl.int64)
-    outer = row // n_inner
-    inner = row % n_inner
+    gradient of a fused loss: no extra launch, no host read). With ``WINDOWED`` the grid covers every
+    row of a base ``[outer, base_inner, V]`` whose rows ``[win_start, win_start + win_len)`` of the
+    inner dim are the logits (``x_ptr``, ``dx_ptr``: the base and its gradient); the rows outside
+    store zeros, so the base's gradient needs no separate zero fill."""
+    if WINDOWED:
+        base_row = tl.program_id(0).to(tl.int64)
+        outer = base_row // base_inner
+        inner = base_row % base_inner
+        local = inner - win_start
+        in_window = (local >= 0) & (local < win_len)
+        row = outer * win_len + tl.where(in_window, local, 0)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        outer = row // n_inner
+        inner = row % n_inner
+        in_window = row >= 0
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = cols < n_cols
     y = tl.load(ids_ptr + row).to(tl.int64)
-    active = y != ignore_index
+    active = in_window & (y != ignore_index)
     inv_t = 1.0 / tl.cast(temperature, tl.float32)
     lse = tl.load(lse_ptr + row)
 
@@ -440,9 +456,10 @@ def token_logprobs_bwd_into(
             grid,
             (grad_logits, *strides_d, logits, stride_xb, stride_xt, stride_xv, _flat_ids(token_ids),
              flat_lse, ent, g_logp, g_entropy, grad_scale if grad_scale is not None else flat_lse,
-             n_inner, n_cols, float(temperature), int(ignore_index)),
+             n_inner, n_cols, 1, 0, 0, float(temperature), int(ignore_index)),
             {"BLOCK_V": cfg.block_v, "HAS_GRAD_LOGP": grad_logp is not None,
-             "HAS_GRAD_ENTROPY": grad_entropy is not None, "HAS_SCALE": grad_scale is not None},
+             "HAS_GRAD_ENTROPY": grad_entropy is not None, "HAS_SCALE": grad_scale is not None,
+             "WINDOWED": False},
             {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
         )  # fmt: skip
 
@@ -475,3 +492,46 @@ def token_logprobs_bwd(
         config=config,
     )
     return grad
+
+
+def token_logprobs_bwd_window_into(
+    base: torch.Tensor,
+    rows: tuple[int, int, int],
+    token_ids: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    grad_base: torch.Tensor,
+    grad_scale: torch.Tensor,
+    *,
+    temperature: float,
+    ignore_index: int,
+) -> None:
+    """Backward of logits that are the rows ``[start, start + count)`` of every ``[L, V]`` slab of a
+    contiguous ``base`` ``[..., L, V]`` (``rows = (L, start, count)``; e.g. ``base[:, P - 1 : -1]``):
+    one launch over every row of the base, writing the window's gradient into ``grad_base`` (the
+    base itself for in place, or a contiguous tensor of its shape and dtype) and zeros elsewhere.
+    The per-row inputs (``token_ids`` any integer dtype, fp32 ``lse``, ``grad_logp``, and with an
+    entropy term ``entropy``, ``grad_entropy``) are flat contiguous ``[outer·count]`` in the
+    window's row order; ``grad_scale`` a one-element fp32 device tensor. Unchecked: the caller
+    (the device-plan loss) built every input."""
+    n_cols = base.shape[-1]
+    base_inner, win_start, win_len = rows
+    n_base_rows = base.numel() // max(n_cols, 1)
+    if n_base_rows == 0:
+        return
+    cfg = bwd_config(n_cols, base.dtype)
+    row_stride = base.stride(-2)  # V: the base is contiguous
+    slab = base_inner * row_stride
+    ent = entropy if grad_entropy is not None else lse
+    with _device_guard(base):
+        _launch_bwd(
+            (n_base_rows, triton.cdiv(n_cols, cfg.block_v)),
+            (grad_base, slab, row_stride, 1, base, slab, row_stride, 1, token_ids, lse, ent, grad_logp,
+             grad_entropy if grad_entropy is not None else lse, grad_scale, 1, n_cols, base_inner,
+             win_start, win_len, float(temperature), int(ignore_index)),
+            {"BLOCK_V": cfg.block_v, "HAS_GRAD_LOGP": True, "HAS_GRAD_ENTROPY": grad_entropy is not None,
+             "HAS_SCALE": True, "WINDOWED": True},
+            {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
+        )  # fmt: skip

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from rlkernel._token_loss_plan import TokenLossPlan
-from rlkernel.kernels._launch import FP_FUSION
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher, num_sms
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import pairwise_sum
 from rlkernel.kernels._token_loss_math import token_terms
@@ -147,6 +147,19 @@ def _token_loss_rows_kernel(
     tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
     tl.store(loss_ptr + row, tl.where(active, loss, 0.0))
     dx_row = dx_ptr + (row // n_inner) * stride_db + (row % n_inner) * stride_dt
+    row_grad_pass(dx_row, x_row, stride_xv, y, active, n_cols, inv_t, lse, h, g_logp, g_h, BLOCK_V,
+                  BRANCH.HAS_ENTROPY)  # fmt: skip
+
+
+@triton.jit
+def row_grad_pass(
+    dx_row, x_row, stride_xv, y, active, n_cols, inv_t, lse, h, g_logp, g_h, BLOCK_V: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+):
+    """Pass 2 of a gradient-in-forward row: re-stream the row (mostly from L2 for V <= 64k) and write
+    dℓ/dx = [g_logp·(onehot − p) − g_H·p·(log p + H)] / T into ``dx_row`` (contiguous columns, the
+    gradient's dtype). Ignored rows write zeros and read nothing. Shared by the host-plan and the
+    device-plan row kernels (``kernels.token_loss_rows``): one definition of the written gradient."""
     n_stream = tl.where(active, n_cols, 0)  # ignored rows write zeros and read nothing
     for v0 in range(0, n_cols, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
@@ -154,21 +167,30 @@ def _token_loss_rows_kernel(
         log_p = x * inv_t - lse
         p = tl.exp(log_p)
         dz = tl.where(cols == y, g_logp, 0.0) - g_logp * p
-        if BRANCH.HAS_ENTROPY:
+        if HAS_ENTROPY:
             dz -= g_h * tl.where(x == float("-inf"), 0.0, p * (log_p + h))
         dx = tl.where(active, dz * inv_t, 0.0)
-        tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
+        tl.store(dx_row + cols, dx.to(dx_row.dtype.element_ty), mask=cols < n_cols)
 
 
 @triton.jit
 def _scale_kernel(g_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     """g *= *scale in place, reading the scale on the device; no memory traffic when it is 1 (the
-    usual ``loss.backward()``), so the backward of the gradient-in-forward path needs no host sync."""
+    usual ``loss.backward()``), so the backward of the gradient-in-forward path needs no host sync.
+    Persistent (a few programs per SM, each striding over the blocks): with a scale of 1 every
+    program's loop runs zero times, ~3 µs instead of one empty program per block (50 µs for the
+    604 MB gradient of [8, 1152, 32768] bf16 logits on an H100, 2026-11-28)."""
     s = tl.load(scale_ptr).to(tl.float32)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < tl.where(s != 1.0, n, 0)  # scale 1: every lane masked, nothing moves
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(g_ptr + offs, (g * s).to(g_ptr.dtype.element_ty), mask=m)
+    n_live = tl.where(s != 1.0, n, 0)  # scale 1: nothing moves
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n_live, step):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n_live
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(g_ptr + offs, (g * s).to(g_ptr.dtype.element_ty), mask=m)
+
+
+_launch_scale = FastLauncher(_scale_kernel)
 
 
 def n_partials(n_tokens: int) -> int:
@@ -284,8 +306,10 @@ def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     reads and writes nothing when the scale is 1. Returns ``grad``."""
     n = grad.numel()
     if n:
+        programs = min(triton.cdiv(n, SCALE_BLOCK), 4 * num_sms(grad.device, interpreter=2))
         with _device_guard(grad):
-            _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](
-                grad, scale, n, BLOCK=SCALE_BLOCK, num_warps=4, enable_fp_fusion=FP_FUSION
-            )
+            _launch_scale(
+                (programs,), (grad, scale, n), {"BLOCK": SCALE_BLOCK},
+                {"num_warps": 4, "enable_fp_fusion": FP_FUSION},
+            )  # fmt: skip
     return grad

@@ -36,6 +36,23 @@ class Window:
         """The window of ``t`` (the base, or a tensor of its shape): a view, no copy."""
         return t[self.index]
 
+    def rows(self, base_shape: torch.Size) -> tuple[int, int, int] | None:
+        """``(L, start, count)`` when the window is the rows ``[start, start + count)`` of the base's
+        last leading dim (size L) in every slab, every other leading dim whole (or a size-1 index):
+        ``[:, P - 1 : -1]`` of ``[B, P + T, V]``, packed ``[0, a:b]`` of ``[1, N, V]``. Kernels that
+        know this layout write the zero rows themselves. None for any other window."""
+        lead = self.index[:-1]
+        for sl, n in zip(lead[:-1], base_shape, strict=False):
+            if isinstance(sl, int):
+                if n != 1:
+                    return None
+            elif sl.start != 0 or sl.stop != n:
+                return None
+        last = lead[-1]
+        if isinstance(last, int):
+            return base_shape[len(lead) - 1], last, 1
+        return base_shape[len(lead) - 1], last.start, last.stop - last.start
+
     def zero_outside(self, t: torch.Tensor) -> None:
         """Zero every row of ``t`` (the base's shape) outside the window: at most two slices per
         leading dim (before and after the window), never a row inside it.

@@ -142,6 +142,35 @@ def check_token_ids(
     from rlkernel.kernels.ids import bad_id_stats
 
     stats = bad_id_stats(ids, vocab_size, ignore_index, active)
+    _queue(what, stats, vocab_size, ignore_index)
+
+
+def defer_result(what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
+    """Defer the result of an id check that a caller's own kernel made (``stats``: int64 ``[2]`` on
+    CUDA in ``rlkernel.kernels.ids``' layout: the count of bad ids and the first one's key): the
+    errors of earlier finished checks are raised first, then this one is read later (see the module
+    docstring). Nothing is queued inside CUDA-graph capture. Off CUDA (the CPU interpreter) it is
+    read at once and raises here.
+
+    Raises:
+        ValueError: ``stats`` off CUDA counts a bad id.
+    """
+    if not stats.is_cuda:
+        count, key = (int(v) for v in stats.tolist())
+        if count:
+            from rlkernel.kernels.ids import decode_first
+
+            first = decode_first(key)[1]
+            raise ValueError(check.token_ids_message(what, count, vocab_size, ignore_index, first))
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    raise_pending_errors(wait=False)
+    _queue(what, stats, vocab_size, ignore_index)
+
+
+def _queue(what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
+    """Copy ``stats`` into pinned memory behind the queued kernels and remember the check."""
     with _lock:
         host = _free_buffers.pop() if _free_buffers else None
     if host is None:

@@ -14,7 +14,9 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel._options import Options, current_options
 from rlkernel.ops import _dtensor_weight, id_checks
+from rlkernel.ops import routes as route_log
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.reference import logprobs as ref
 
@@ -114,6 +116,9 @@ def token_logprobs_checked(
     twice): dispatch to the Triton path or the reference."""
     # fp64 has no kernel (the kernels accumulate in fp32): it takes the reference under every mode.
     backend = _dispatch.resolve_backend(logits.device, has_kernel=logits.dtype != torch.float64)
+    kernels = "compiled" if backend == "triton" and torch.compiler.is_compiling() else backend
+    needs_grad = logits.requires_grad and torch.is_grad_enabled()
+    route_log.note_route(route_log.logprobs_route(kernels=kernels, needs_grad=needs_grad))
     if backend == "triton":
         logp, entropy = _triton_token_logprobs()(
             logits,
@@ -202,6 +207,12 @@ def linear_token_logprobs(
         # (a check failing here on one rank only would leave the others waiting in a collective).
         from rlkernel.ops.vocab_parallel import vocab_parallel_linear_token_logprobs
 
+        if route_log.recording():
+            has_kernel = _linear_kernel_available(hidden.dtype)
+            backend = _dispatch.resolve_backend(hidden.device, has_kernel=has_kernel)
+            needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+            route_log.note_route(route_log.linear_route(kernels=backend, needs_grad=needs_grad, gemm=None,
+                                                        vocab_parallel=True))  # fmt: skip
         return vocab_parallel_linear_token_logprobs(
             hidden,
             weight,
@@ -291,6 +302,15 @@ def linear_token_logprobs_checked(
     passed: dispatch to the Triton chunk engine or the reference. ``invariant_logits``: the
     checked :func:`invariant_logits_dtype` (None: not invariant)."""
     backend = _dispatch.resolve_backend(hidden.device, has_kernel=_linear_kernel_available(hidden.dtype))
+    if route_log.recording():
+        grad_on = torch.is_grad_enabled()
+        needs_grad = grad_on and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+        gemm = "invariant" if invariant_logits is not None else None
+        if backend == "triton" and gemm is None:
+            gemm = linear_gemm_kind(hidden, weight, bias, current_options())
+        route_log.note_route(route_log.linear_route(
+            kernels=backend, needs_grad=needs_grad, gemm=gemm, weight_grad=grad_on and weight.requires_grad,
+        ))  # fmt: skip
     if backend == "triton":
         from rlkernel.ops._linear_function import linear_token_logprobs_triton
 
@@ -308,3 +328,15 @@ def linear_token_logprobs_checked(
         return_entropy=return_entropy,
         invariant_logits=invariant_logits,
     )
+
+
+def linear_gemm_kind(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, options: Options
+) -> str:
+    """The logits GEMM the chunk engine runs for these (non-invariant) inputs under ``options``:
+    ``"epilogue"`` (the Triton LM-head GEMM with the log-softmax statistics in its epilogue) or
+    ``"cublas"`` (cuBLAS chunks and the log-prob kernels). The engine's own rule."""
+    from rlkernel.ops._linear_engine import EngineSettings, epilogue_kernel_runs
+
+    runs = epilogue_kernel_runs(hidden, weight, bias, EngineSettings.from_options(options))
+    return "epilogue" if runs else "cublas"

@@ -60,15 +60,16 @@ Caveats:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
 
-from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import Options, current_options
 from rlkernel.ops import _dtensor_weight, id_checks
+from rlkernel.ops import routes as route_log
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
     invariant_logits_dtype,
@@ -76,52 +77,19 @@ from rlkernel.ops.logprobs import (
     linear_token_logprobs_checked,
     token_logprobs_checked,
 )
-from rlkernel.ops.token_loss import LossCoefficients, TokenLossTerms
+from rlkernel.ops.routes import Route
+from rlkernel.ops.token_loss import IGNORE_INDEX, LossCoefficients, TokenLossTerms
 from rlkernel.ops.token_loss import token_loss as token_loss_op
 from rlkernel.rl import seq_token_loss, token_loss
 from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
-
-IGNORE_INDEX = token_loss.IGNORE_INDEX
-
-
-def _token_level(batch: LossBatch, x: object, opts: Options) -> bool:
-    """Whether a call whose logits (or hidden states) are ``x`` takes a fused token-level path: the
-    option ``token_level_fusion``, an eligible objective, and the Triton backend for ``x`` (see the
-    module docstring; under ``torch.compile`` the logits path is one registered custom op)."""
-    eligible = token_loss.is_eligible(batch.cfg, on_policy=batch.old_logp is None)
-    if not opts.token_level_fusion or not isinstance(x, torch.Tensor) or not eligible:
-        return False
-    has_kernel = x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return _dispatch.resolve_backend(x.device, has_kernel=has_kernel) == "triton"
+from rlkernel.rl.routes import choose_route, route_facts
 
 
 def _wants_entropy(cfg: PolicyLossConfig) -> bool:
     """Whether the loss reads the entropy: an entropy term, or the top-entropy-quantile mask."""
     return cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1
-
-
-def _coefficient_path(cfg: PolicyLossConfig, logits: object, opts: Options) -> bool:
-    """Whether a logits call whose objective has no token-level plan (gspo, gspo_token, gmpo) takes
-    the fused coefficient path: the ``token_level_fusion`` option, eager mode, the Triton backend,
-    and a gradient to compute (without one, the composed path is the same two launches)."""
-    if not opts.token_level_fusion or not isinstance(logits, torch.Tensor) or torch.compiler.is_compiling():
-        return False
-    if not (logits.requires_grad and torch.is_grad_enabled()) or logits.dtype == torch.float64:
-        return False
-    return _dispatch.resolve_backend(logits.device, has_kernel=True) == "triton"
-
-
-def _token_level_linear(batch: LossBatch, hidden: object, weight: object, opts: Options) -> bool:
-    """Whether a hidden-state call takes the fused linear path (gradient computed while each
-    chunk's logits are live: 3 GEMMs instead of 4; see rlkernel.ops._linear_function)."""
-    if not isinstance(weight, torch.Tensor) or not isinstance(hidden, torch.Tensor):
-        return False
-    if torch.compiler.is_compiling():  # the chunk engine is eager-only: the composed path is traced
-        return False
-    # A dtype mismatch takes the primitive path, which raises the clear error.
-    return weight.dtype == hidden.dtype and _token_level(batch, hidden, opts)
 
 
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
@@ -136,6 +104,26 @@ def _check_source(logits, hidden, weight, bias, tp_group) -> None:
             raise ValueError(f"{', '.join(extra)} only apply with hidden, not with logits")
     elif weight is None:
         raise ValueError("weight (the [V, H] LM head) is required with hidden")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One checked call: what every route's builder reads (checked once, in the entry point)."""
+
+    cfg: PolicyLossConfig
+    batch: LossBatch
+    token_ids: torch.Tensor  # int, as given (checked)
+    vocab: int
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    temperature: float
+    tp_group: object | None
+    validate: bool
+    inplace_backward: bool
+    invariant_logits: torch.dtype | None  # ops.logprobs.invariant_logits_dtype
+    options: Options
 
 
 @without_autocast
@@ -193,7 +181,8 @@ def fused_policy_loss(
 
     Returns:
         :class:`PolicyLossOutput`; the loss is differentiable in ``logits`` or ``hidden``/``weight``/
-        ``bias``.
+        ``bias``; ``out.route`` is the :class:`~rlkernel.ops.routes.Route` the call took (chosen by
+        :func:`rlkernel.rl.routes.choose_route`).
 
     Raises:
         TypeError: wrong dtypes or types (as the primitives and ``policy_loss`` do), ``validate``
@@ -203,7 +192,7 @@ def fused_policy_loss(
             out of range, the DTensor cases ``linear_token_logprobs`` rejects, and everything
             ``policy_loss`` rejects.
     """
-    # Every input is checked once, here; the paths below check nothing again.
+    # Every input is checked once, here; the routes below check nothing again.
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     check.boolean("validate", validate)
@@ -233,133 +222,151 @@ def fused_policy_loss(
         cu_seqlens=cu_seqlens,
         like_name="token_ids",
     )
-    ids, active = token_loss.masked_token_ids(token_ids, batch.mask)
     tp = tp_group is not None
     if logits is not None:
         check.float_tensor("logits", logits, min_dim=1)
-        check_common("logits", logits, ids, temperature, IGNORE_INDEX)
+        check_common("logits", logits, token_ids, temperature, IGNORE_INDEX)
         vocab = logits.shape[-1]
         if vocab < 1:
             raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
     elif not tp:  # vocab-parallel: validated across ranks by the primitive (every rank raises alike)
-        check_linear_inputs(hidden, weight, ids, bias, temperature, IGNORE_INDEX)
+        check_linear_inputs(hidden, weight, token_ids, bias, temperature, IGNORE_INDEX)
         vocab = weight.shape[0]
-    opts = current_options()
-    checked = contextlib.nullcontext()
-    if validate and not tp:
-        # On the active positions only, none exempt: an active id equal to IGNORE_INDEX is an error
-        # (masked_token_ids sends it to the kernels as -1: a NaN log-prob meanwhile, never dropped).
-        x = logits if logits is not None else hidden
-        deferred_ok = _dispatch.resolve_backend(x.device, has_kernel=x.dtype != torch.float64) == "triton"
-        checked = id_checks.token_ids_checked(
-            "token_ids (at active mask positions)", token_ids, vocab, None, defer=deferred_ok, active=active
-        )
-    with checked:
-        return _run(cfg, batch, (ids, active), logits, hidden, weight, bias, temperature, tp_group,
-                    validate, inplace_backward, opts, inv_dtype)  # fmt: skip
-
-
-def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_group, validate,
-         inplace_backward, opts, invariant_logits=None) -> PolicyLossOutput:  # fmt: skip
-    """The path of a checked call (see the module docstring). ``invariant_logits``: the checked
-    ``invariant``/``logits_dtype`` of the hidden path (``ops.logprobs.invariant_logits_dtype``)."""
-    ids = masked_ids[0]
-    if _token_level(batch, logits, opts) and torch.compiler.is_compiling():
-        return _fused_token_level_traced(logits, masked_ids, batch, temperature)
-    if _token_level(batch, logits, opts):
-        two_pass = opts.grad_in_forward_max_vocab
-        return _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass)
-    if _coefficient_path(cfg, logits, opts):
-        on_policy, given_weights = batch.old_logp is None, batch.rollout_weights is not None
-        if seq_token_loss.is_eligible(cfg, on_policy=on_policy, has_rollout_weights=given_weights):
-            return _fused_sequence_level(logits, masked_ids, batch, temperature, inplace_backward)
-        return _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward)
-    tp = tp_group is not None
-    if not tp and _token_level_linear(batch, hidden, weight, opts):
-        inv = invariant_logits
-        return _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature, inv)
-    # The entropy quantile mask reads the entropy even without an entropy term.
-    want_entropy = _wants_entropy(cfg)
-    common = dict(temperature=temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
-    if logits is not None:
-        out = token_logprobs_checked(logits, ids, inplace_backward=inplace_backward, **common)
-    elif not tp:
-        out = linear_token_logprobs_checked(
-            hidden, weight, ids, bias=bias, invariant_logits=invariant_logits, **common
-        )
     else:
-        # The vocab-parallel primitive checks the ids against the *global* vocabulary on every rank
-        # at once (a local check against this rank's shard would reject valid ids, on some ranks
-        # only); negative active ids arrive there as -1 (masked_token_ids), out of range.
-        out = linear_token_logprobs(
-            hidden, weight, ids, bias=bias, tp_group=tp_group, validate=validate, **common
-        )
+        vocab = 0  # this rank's shard is not the vocabulary; the route does not read it
+    opts = current_options()
+    facts = route_facts(
+        batch, logits=logits, hidden=hidden, weight=weight, bias=bias, token_ids=token_ids, vocab=vocab,
+        inplace_backward=inplace_backward, vocab_parallel=tp, invariant=inv_dtype is not None,
+        options=opts,
+    )  # fmt: skip
+    route = route_log.note_route(choose_route(facts, opts))
+    call = _Call(cfg, batch, token_ids, vocab, logits, hidden, weight, bias, float(temperature), tp_group,
+                 validate, inplace_backward, inv_dtype, opts)  # fmt: skip
+    with route_log.quiet():  # the primitives a route runs do not add their own routes
+        out = ROUTES[route.key](route, call)
+    out.route = route
+    return out
+
+
+# -------------------------------------------------------------------------------- the builders
+def _masked(call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, active)``: the masked ids of a host-plan or composed route (one launch on Triton)."""
+    return token_loss.masked_token_ids(call.token_ids, call.batch.mask)
+
+
+def _id_check(call: _Call, route: Route, active: torch.Tensor):
+    """The id check around a route's launches (active positions only, none exempt: an active id
+    equal to IGNORE_INDEX is an error, sent to the kernels as -1: a NaN log-prob meanwhile):
+    deferred after the kernels on the Triton kernels, before them elsewhere. The vocab-parallel
+    primitive checks the ids itself, across ranks."""
+    if not call.validate or call.tp_group is not None:
+        return contextlib.nullcontext()
+    return id_checks.token_ids_checked(
+        "token_ids (at active mask positions)", call.token_ids, call.vocab, None,
+        defer=route.kernels != "reference", active=active,
+    )  # fmt: skip
+
+
+def _composed(route: Route, call: _Call) -> PolicyLossOutput:
+    """The primitive (log-probs, and entropy when the loss reads it), then ``policy_loss``'s
+    algebra under autograd."""
+    ids, active = masked = _masked(call)
+    del masked
+    want_entropy = _wants_entropy(call.cfg)
+    common = dict(temperature=call.temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
+    with _id_check(call, route, active):
+        if call.logits is not None:
+            out = token_logprobs_checked(call.logits, ids, inplace_backward=call.inplace_backward, **common)
+        elif call.tp_group is None:
+            out = linear_token_logprobs_checked(
+                call.hidden, call.weight, ids, bias=call.bias, invariant_logits=call.invariant_logits,
+                **common,
+            )  # fmt: skip
+        else:
+            # The vocab-parallel primitive checks the ids against the *global* vocabulary on every
+            # rank at once (a local check against this rank's shard would reject valid ids, on some
+            # ranks only); negative active ids arrive there as -1 (masked_token_ids), out of range.
+            out = linear_token_logprobs(
+                call.hidden, call.weight, ids, bias=call.bias, tp_group=call.tp_group,
+                validate=call.validate, **common,
+            )  # fmt: skip
     logp, entropy = out if want_entropy else (out, None)
-    return loss_from_batch(logp, entropy, batch)
+    return loss_from_batch(logp, entropy, call.batch)
 
 
-def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
-    """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
-    metrics equal the composed path's."""
-    return PolicyLossOutput(loss, compute_metrics=lambda: loss_from_batch(logp, entropy, batch).metrics)
+def _logits_token_device(route: Route, call: _Call) -> PolicyLossOutput:
+    """A token-level loss from logits whose constants the kernels build (mask counts + one row
+    kernel; ``ops.device_plan_loss``); metrics stay lazy."""
+    from rlkernel.ops.device_plan_loss import token_loss_device_plan
+
+    plan = token_loss.device_plan_from_batch(call.batch, call.token_ids, check_ids=call.validate)
+    loss, logp, entropy = token_loss_device_plan(
+        call.logits, plan, temperature=call.temperature, inplace_backward=call.inplace_backward,
+        two_pass=route.passes == 2,
+    )  # fmt: skip
+    lead = call.batch.token_shape
+    return _output(loss, logp.view(lead), entropy.view(lead) if plan.want_entropy else None, call.batch)
 
 
-def _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass_max_vocab):
-    """The eligible-config logits path: plan + one fused launch each way; metrics stay lazy.
-    ``two_pass_max_vocab``: the option ``grad_in_forward_max_vocab``."""
+def _logits_token_host(route: Route, call: _Call) -> PolicyLossOutput:
+    """A token-level loss from logits with a host-built plan: 2 passes (the gradient written during
+    the forward) or 3 (log-prob kernel, plan, token-loss kernel; one backward launch)."""
     from rlkernel.ops import _logprobs_function as fn
 
-    two_pass = (
-        logits.shape[-1] <= two_pass_max_vocab
-        and not inplace_backward
-        and logits.requires_grad
-        and torch.is_grad_enabled()
-    )
+    masked = _masked(call)
+    batch, logits, temperature = call.batch, call.logits, call.temperature
     want_entropy = batch.cfg.entropy_coef != 0
-    if two_pass:  # the row kernel reads the plan: build it first
-        plan = token_loss.plan_from_batch(batch, masked_ids)
-        loss, logp, entropy = fn.token_loss_grad_in_forward_triton(logits, plan, temperature=temperature)
-        return _output(loss, logp, entropy if want_entropy else None, batch)
+    with _id_check(call, route, masked[1]):
+        if route.passes == 2:  # the row kernel reads the plan: build it first
+            plan = token_loss.plan_from_batch(batch, masked)
+            loss, logp, entropy = fn.token_loss_grad_in_forward_triton(logits, plan, temperature=temperature)
+            return _output(loss, logp, entropy if want_entropy else None, batch)
 
-    def terms(logp, entropy):
-        # Built here, after the log-prob kernel was queued: the plan's ~20 small launches of host
-        # time overlap that kernel instead of delaying it.
-        plan = token_loss.plan_from_batch(batch, masked_ids)
-        return token_loss_op(plan, logp, entropy, backend="triton")
+        def terms(logp, entropy):
+            # Built here, after the log-prob kernel was queued: the plan's ~20 small launches of
+            # host time overlap that kernel instead of delaying it.
+            plan = token_loss.plan_from_batch(batch, masked)
+            return token_loss_op(plan, logp, entropy, backend="triton")
 
-    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
-    loss, logp, entropy = fn.token_loss_triton(
-        logits, source, temperature=temperature, inplace_backward=inplace_backward
-    )
+        source = LossCoefficients(masked[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+        loss, logp, entropy = fn.token_loss_triton(
+            logits, source, temperature=temperature, inplace_backward=call.inplace_backward
+        )
     return _output(loss, logp, entropy if want_entropy else None, batch)
 
 
-def _fused_token_level_traced(logits, masked_ids, batch, temperature):
-    """The eligible-config logits path inside ``torch.compile``: the plan's torch ops are traced,
-    the kernels are one registered custom op (``rlkernel::token_loss_from_logits``); metrics lazy."""
+def _logits_token_compiled(route: Route, call: _Call) -> PolicyLossOutput:
+    """A token-level loss from logits inside ``torch.compile``: the plan's torch ops are traced, the
+    kernels are one registered custom op (``rlkernel::token_loss_from_logits``); metrics lazy."""
     from rlkernel.ops import _logprobs_function as fn
 
-    plan = token_loss.plan_from_batch(batch, masked_ids)
-    loss, logp, entropy = fn.token_loss_traced(logits, plan, temperature=temperature)
-    return _output(loss, logp, entropy if plan.want_entropy else None, batch)
+    masked = _masked(call)
+    with _id_check(call, route, masked[1]):
+        plan = token_loss.plan_from_batch(call.batch, masked)
+        loss, logp, entropy = fn.token_loss_traced(call.logits, plan, temperature=call.temperature)
+    return _output(loss, logp, entropy if plan.want_entropy else None, call.batch)
 
 
-def _fused_sequence_level(logits, masked_ids, batch, temperature, inplace_backward):
+def _logits_sequence(route: Route, call: _Call) -> PolicyLossOutput:
     """gspo, gspo_token, gmpo from logits: the two log-prob kernels with the closed-form sequence
     coefficients of :mod:`rlkernel.rl.seq_token_loss` between them (a few dozen small launches, no
     autograd); metrics stay lazy."""
     from rlkernel.ops import _logprobs_function as fn
 
+    masked = _masked(call)
+    batch = call.batch
     want_entropy = batch.cfg.entropy_coef != 0
-    terms = functools.partial(seq_token_loss.seq_terms, batch, masked_ids)
-    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
-    loss, logp, entropy = fn.token_loss_triton(
-        logits, source, temperature=temperature, inplace_backward=inplace_backward
-    )
+    terms = functools.partial(seq_token_loss.seq_terms, batch, masked)
+    source = LossCoefficients(masked[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+    with _id_check(call, route, masked[1]):
+        loss, logp, entropy = fn.token_loss_triton(
+            call.logits, source, temperature=call.temperature, inplace_backward=call.inplace_backward
+        )
     return _output(loss, logp, entropy if want_entropy else None, batch)
 
 
-def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward):
+def _logits_autograd(route: Route, call: _Call) -> PolicyLossOutput:
     """Any objective from logits in two log-prob kernels (Fast-LLM's GSPO design, for every loss):
     the forward kernel's per-token statistics, the ``[B, T]`` algebra differentiated by autograd
     *inside the forward* (dL/dlogp, dL/dH per token: the sequence coupling of gspo, gspo_token and
@@ -367,6 +374,8 @@ def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace
     ``policy_loss`` (the loss and its gradients to fp32 rounding); metrics stay lazy."""
     from rlkernel.ops import _logprobs_function as fn
 
+    masked = _masked(call)
+    batch = call.batch
     want_entropy = _wants_entropy(batch.cfg)
     composed = []  # the algebra's output: its metrics are the ones of the loss's own run (clip_cov's
     # random token draw, say, is not drawn again for them)
@@ -385,40 +394,56 @@ def _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace
         flat = [g.reshape(-1).to(torch.float32) for g in grads]
         return TokenLossTerms(loss.detach(), flat[0], flat[1] if want_entropy else None)
 
-    source = LossCoefficients(masked_ids[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
-    loss, _, _ = fn.token_loss_triton(
-        logits, source, temperature=temperature, inplace_backward=inplace_backward
-    )
+    source = LossCoefficients(masked[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
+    with _id_check(call, route, masked[1]):
+        loss, _, _ = fn.token_loss_triton(
+            call.logits, source, temperature=call.temperature, inplace_backward=call.inplace_backward
+        )
     return PolicyLossOutput(loss, compute_metrics=lambda: composed[0].metrics)
 
 
-def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperature, invariant_logits=None):
+def _hidden_token(route: Route, call: _Call) -> PolicyLossOutput:
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
+    masked = _masked(call)
+    batch = call.batch
     want_entropy = batch.cfg.entropy_coef != 0
     if batch.cfg.rollout_rs is None:
         # The plan's ids are the masked ids: build the plan (~20 small launches of host time) on the
         # first chunk's coefficients, after that chunk's logits GEMM was queued, instead of before
         # it, while the GPU would wait.
-        ids, coef_fn = masked_ids[0].reshape(-1), _lazy_coef_fn(batch, masked_ids)
+        ids, coef_fn = masked[0].reshape(-1), _lazy_coef_fn(batch, masked)
     else:  # rollout rejection drops tokens from the ids: the plan first
-        plan = token_loss.plan_from_batch(batch, masked_ids)
+        plan = token_loss.plan_from_batch(batch, masked)
         ids, coef_fn = plan.ids, token_loss.as_coef_fn(plan)
-    outs = fused_linear_token_loss(
-        hidden,
-        weight,
-        bias,
-        ids,
-        coef_fn=coef_fn,
-        temperature=temperature,
-        ignore_index=IGNORE_INDEX,
-        with_entropy=want_entropy,
-        invariant_logits=invariant_logits,
-    )
+    with _id_check(call, route, masked[1]):
+        outs = fused_linear_token_loss(
+            call.hidden, call.weight, call.bias, ids, coef_fn=coef_fn, temperature=call.temperature,
+            ignore_index=IGNORE_INDEX, with_entropy=want_entropy, invariant_logits=call.invariant_logits,
+        )  # fmt: skip
     entropy = outs[2] if want_entropy else None
     return _output(outs[0], outs[1], entropy, batch)
+
+
+# The one table from a route to the code that runs it (``Route.key``: source, objective, kernels, plan).
+ROUTES = {
+    ("logits", "token", "triton", "device"): _logits_token_device,
+    ("logits", "token", "triton", "host"): _logits_token_host,
+    ("logits", "token", "compiled", "host"): _logits_token_compiled,
+    ("logits", "sequence", "triton", None): _logits_sequence,
+    ("logits", "autograd", "triton", None): _logits_autograd,
+    ("hidden", "token", "triton", "host"): _hidden_token,
+    **{(source, "composed", kernels, None): _composed
+       for source in ("logits", "hidden") for kernels in ("triton", "reference", "compiled")},  # fmt: skip
+}
+
+
+def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
+    """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
+    metrics equal the composed path's."""
+    return PolicyLossOutput(loss, compute_metrics=lambda: loss_from_batch(logp, entropy, batch).metrics)
 
 
 def _lazy_coef_fn(batch, masked_ids):

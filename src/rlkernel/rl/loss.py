@@ -80,6 +80,7 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel.ops.routes import Route
 from rlkernel.rl import masks, objectives, rollout
 from rlkernel.rl.aggregate import (
     Normalizer,
@@ -104,9 +105,11 @@ class PolicyLossOutput:
         metrics: name → detached 0-dim tensor (see :mod:`rlkernel.rl.loss` for the names). Computed
             on first access, from detached copies of the step's tensors: a training loop that does
             not read them does not pay for their ~60 small kernel launches.
+        route: the :class:`~rlkernel.ops.routes.Route` the call took (``fused_policy_loss``), or
+            None (``policy_loss``: the algebra on given log-probs). ``str(out.route)`` reads it.
     """
 
-    __slots__ = ("loss", "_metrics", "_compute")
+    __slots__ = ("loss", "route", "_metrics", "_compute")
 
     def __init__(
         self,
@@ -114,10 +117,12 @@ class PolicyLossOutput:
         metrics: dict[str, torch.Tensor] | None = None,
         *,
         compute_metrics: Callable[[], dict[str, torch.Tensor]] | None = None,
+        route: Route | None = None,
     ) -> None:
         if (metrics is None) == (compute_metrics is None):
             raise TypeError("PolicyLossOutput needs exactly one of metrics or compute_metrics")
         self.loss = loss
+        self.route = route
         self._metrics = metrics
         self._compute = compute_metrics
 
@@ -129,7 +134,8 @@ class PolicyLossOutput:
         return self._metrics
 
     def __repr__(self) -> str:
-        return f"PolicyLossOutput(loss={self.loss!r})"
+        route = "" if self.route is None else f", route='{self.route}'"
+        return f"PolicyLossOutput(loss={self.loss!r}{route})"
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ import math
 import torch
 
 from rlkernel import _validate as check
+from rlkernel._token_loss_plan import COUNT_NONE, COUNT_SEQS, COUNT_TOKENS, DevicePlan
 from rlkernel.ops.token_loss import (  # noqa: F401 - re-exported: the plan and its launcher
     IGNORE_INDEX,
     TokenLossPlan,
@@ -304,10 +305,31 @@ def plan_from_batch(
     if rollout_w is not None:
         rollout_w = _to_tokens(rollout_w, seg, inverse)
 
+    use_kl = cfg.kl_coef > 0
+    scalars = _scalars(cfg, norm_mult, floor, policy_term)
+    return TokenLossPlan(
+        ids=flat_ids,
+        old=flat_f32(old_logp) if old_logp is not None and policy_term else None,
+        adv=adv_t,
+        ref=flat_f32(ref_logp) if use_kl else None,
+        rollout_w=rollout_w,
+        factor=factor,
+        denom=denom,
+        scalars=scalars,
+        seq_len=max(seg.max_len, 1),  # only a divisor: an empty batch has no sequence to index
+        adv_per_seq=adv_per_seq,
+        factor_per_seq=factor is not None and not seg.is_packed,
+        ignore_index=IGNORE_INDEX,
+    )
+
+
+def _scalars(
+    cfg: PolicyLossConfig, norm_mult: float, floor: float, policy_term: bool = True
+) -> TokenLossScalars:
+    """The :class:`TokenLossScalars` of ``cfg`` with the aggregation's ``norm_mult`` and ``floor``."""
     kl = None
     straight = False
-    use_kl = cfg.kl_coef > 0
-    if use_kl:
+    if cfg.kl_coef > 0:
         name = canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator")
         kl, straight = name.rstrip("+"), name.endswith("+")
     inf = math.inf
@@ -315,7 +337,7 @@ def plan_from_batch(
         clip_lo = -inf if cfg.clip_low is None else 1.0 - cfg.clip_low
     else:
         clip_lo = 1.0 - cfg.clip_low if cfg.clip_low is not None else -inf
-    scalars = TokenLossScalars(
+    return TokenLossScalars(
         loss=cfg.loss_type if policy_term else "reinforce",
         clip_lo=clip_lo,
         clip_hi=1.0 + cfg.clip_high,
@@ -330,17 +352,48 @@ def plan_from_batch(
         norm_mult=norm_mult,
         denom_floor=floor,
     )
-    return TokenLossPlan(
-        ids=flat_ids,
-        old=flat_f32(old_logp) if old_logp is not None and policy_term else None,
-        adv=adv_t,
-        ref=flat_f32(ref_logp) if use_kl else None,
-        rollout_w=rollout_w,
-        factor=factor,
+
+
+def device_plan_from_batch(batch: LossBatch, token_ids: torch.Tensor, *, check_ids: bool) -> DevicePlan:
+    """The :class:`DevicePlan` of a checked call whose route builds its constants on the device
+    (``rlkernel.rl.routes.device_plan_supported``: padded ``[S, T]``, no rollout correction,
+    rejection or given weights, contiguous per-token tensors): the same scalars, aggregation and
+    per-token inputs :func:`plan_from_batch` gives, with the counts left to the kernels.
+
+    Args:
+        batch: from :func:`rlkernel.rl.batch.validate_batch`, of an eligible config.
+        token_ids: the call's int ``[S, T]`` ids as given (contiguous; masked by the kernels).
+        check_ids: the kernels count the active ids outside ``[0, V)`` (``validate=True``).
+    """
+    cfg, seg, device = batch.cfg, batch.segments, batch.device
+    g_tokens, g_seqs = batch.global_tokens, batch.global_seqs
+    count, denom, norm_mult, floor = COUNT_NONE, None, 1.0, -math.inf
+    if cfg.aggregation == "token-mean":
+        if g_tokens is None:
+            count, floor = COUNT_TOKENS, 1.0
+        else:
+            norm_mult, denom = _normalizer(g_tokens, device)
+    elif cfg.aggregation != "token-sum":
+        if g_seqs is None:
+            count, floor = COUNT_SEQS, 1.0
+        else:
+            norm_mult, denom = _normalizer(g_seqs, device)
+        if cfg.aggregation == "seq-mean-token-sum-norm":
+            norm_mult *= float(cfg.norm_length if cfg.norm_length is not None else max(seg.max_len, 1))
+    adv = batch.advantages.detach()
+    old = batch.old_logp
+    return DevicePlan(
+        token_ids=token_ids.reshape(-1),
+        mask=batch.mask.reshape(-1),
+        old=None if old is None else old.detach().reshape(-1),
+        adv=adv.reshape(-1),
+        ref=batch.ref_logp.detach().reshape(-1) if cfg.kl_coef > 0 else None,
+        scalars=_scalars(cfg, norm_mult, floor),
+        seq_len=max(seg.max_len, 1),
+        n_seqs=seg.n_seqs,
+        adv_per_seq=batch.advantages_per_seq,
+        count=count,
         denom=denom,
-        scalars=scalars,
-        seq_len=max(seg.max_len, 1),  # only a divisor: an empty batch has no sequence to index
-        adv_per_seq=adv_per_seq,
-        factor_per_seq=factor is not None and not seg.is_packed,
-        ignore_index=IGNORE_INDEX,
+        factor_per_seq=cfg.aggregation == "seq-mean-token-mean",
+        check_ids=check_ids,
     )
