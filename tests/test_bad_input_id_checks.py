@@ -32,7 +32,8 @@ def pending(monkeypatch):
     """An empty pending list for the test (the module's list is process-wide)."""
     fresh: list = []
     monkeypatch.setattr(deferred, "_pending", fresh)  # seam: isolate the process-wide list
-    monkeypatch.setattr(deferred, "_free_buffers", [])  # seam: ... and its buffer pool
+    monkeypatch.setattr(deferred, "_free_buffers", {})  # seam: ... and its buffer pool
+    monkeypatch.setattr(deferred, "_free_events", [])  # seam: ... and its event pool
     return fresh
 
 

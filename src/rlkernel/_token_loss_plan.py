@@ -151,7 +151,16 @@ class TokenLossScalars:
         return self.entropy_coef != 0
 
     def kernel_args(self) -> TokenLossKernelScalars:
-        """The runtime scalars, as Python floats in kernel order (one named tuple argument)."""
+        """The runtime scalars, as Python floats in kernel order (one named tuple argument);
+        memoized on the frozen scalars (built on every launch otherwise)."""
+        found = _KERNEL_ARGS.get(self)
+        if found is None:
+            if len(_KERNEL_ARGS) > 1024:
+                _KERNEL_ARGS.clear()
+            found = _KERNEL_ARGS[self] = self._kernel_args()
+        return found
+
+    def _kernel_args(self) -> TokenLossKernelScalars:
         return TokenLossKernelScalars(
             norm_mult=float(self.norm_mult),
             denom_floor=float(self.denom_floor),
@@ -164,6 +173,9 @@ class TokenLossScalars:
             kl_coef=float(self.kl_coef),
             entropy_coef=float(self.entropy_coef),
         )
+
+
+_KERNEL_ARGS: dict[TokenLossScalars, TokenLossKernelScalars] = {}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -384,8 +396,7 @@ class TokenLossPlan:
 COUNT_NONE, COUNT_TOKENS, COUNT_SEQS = 0, 1, 2  # what the mask-count kernel counts for the denominator
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class DevicePlan:
+class DevicePlan(NamedTuple):
     """A token-level loss over a padded ``[S, T]`` batch whose count-derived constants, masked ids
     and id check the kernels compute themselves (``rlkernel.kernels.token_loss_rows``), so that the
     host launches two kernels instead of building a :class:`TokenLossPlan` with torch ops.
@@ -395,13 +406,15 @@ class DevicePlan:
     aggregation's denominator counted from the mask (``count``: active tokens for ``token-mean``,
     sequences with an active token for the ``seq-mean-*`` modes) unless a global normalizer is
     given (``denom`` / ``scalars.norm_mult``); ``seq-mean-token-mean``'s factor 1/max(n_i, 1) per
-    sequence (``factor_per_seq``). Same bits, fewer host operations.
+    sequence (``factor_per_seq``). Same bits, fewer host operations. (A named tuple, not a
+    dataclass: it is built on every call, and its construction is host time before the kernels.)
 
     Attributes:
-        token_ids: int ``[S·T]`` (flat, contiguous, any integer dtype): the sampled ids as given.
-        mask: ``[S·T]`` (flat, contiguous, bool / integer / floating): active where ``!= 0``.
-        old, adv, ref: as :class:`TokenLossPlan`'s (flat contiguous views, any float dtype; the
-            kernels read them as fp32).
+        token_ids: int ``[S, T]`` (contiguous, any integer dtype): the sampled ids as given; the
+            kernels read every per-token tensor flat, by offset.
+        mask: ``[S, T]`` (contiguous, bool / integer / floating): active where ``!= 0``.
+        old, adv, ref: as :class:`TokenLossPlan`'s, as given (contiguous ``[S, T]``, ``adv`` also
+            ``[S]``; any float dtype, read as fp32, never written: no detached copy is needed).
         scalars: the loss's :class:`TokenLossScalars`.
         seq_len: T.
         n_seqs: S.
@@ -450,18 +463,29 @@ class DevicePlan:
         )
 
     def kernel_branches(self) -> TokenLossBranches:
-        """The constexpr branch choices (those of the equivalent :class:`TokenLossPlan`)."""
-        s = self.scalars
-        return TokenLossBranches(
-            LOSS=LOSS_CODES[s.loss],
-            KL=KL_CODES[s.kl],
-            KL_STRAIGHT=bool(s.kl_straight),
-            HAS_DUAL=s.dual_clip is not None,
-            HAS_OLD=self.old is not None,
-            HAS_ENTROPY=s.want_entropy,
-            HAS_ROLLOUT=False,
-            HAS_FACTOR=self.factor_per_seq,
-            HAS_DENOM=self.count != COUNT_NONE or self.denom is not None,
-            ADV_PER_SEQ=bool(self.adv_per_seq),
-            FACTOR_PER_SEQ=self.factor_per_seq,
-        )
+        """The constexpr branch choices (those of the equivalent :class:`TokenLossPlan`); memoized,
+        a function of the scalars and four flags."""
+        key = (self.scalars, self.old is not None, self.factor_per_seq, self.count, self.denom is not None,
+               self.adv_per_seq)  # fmt: skip
+        found = _BRANCHES.get(key)
+        if found is None:
+            s = self.scalars
+            if len(_BRANCHES) > 1024:
+                _BRANCHES.clear()
+            found = _BRANCHES[key] = TokenLossBranches(
+                LOSS=LOSS_CODES[s.loss],
+                KL=KL_CODES[s.kl],
+                KL_STRAIGHT=bool(s.kl_straight),
+                HAS_DUAL=s.dual_clip is not None,
+                HAS_OLD=self.old is not None,
+                HAS_ENTROPY=s.want_entropy,
+                HAS_ROLLOUT=False,
+                HAS_FACTOR=self.factor_per_seq,
+                HAS_DENOM=self.count != COUNT_NONE or self.denom is not None,
+                ADV_PER_SEQ=bool(self.adv_per_seq),
+                FACTOR_PER_SEQ=self.factor_per_seq,
+            )
+        return found
+
+
+_BRANCHES: dict[tuple, TokenLossBranches] = {}

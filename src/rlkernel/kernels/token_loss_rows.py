@@ -41,11 +41,13 @@ from rlkernel._token_loss_plan import COUNT_NONE, COUNT_SEQS, COUNT_TOKENS, Devi
 from rlkernel.kernels import logprobs as lp
 from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
+from rlkernel.kernels._reduce import pairwise_sum
 from rlkernel.kernels._token_loss_math import token_terms
 from rlkernel.kernels.logprobs import row_logprob_stats
 from rlkernel.kernels.token_loss import row_grad_pass
 
 COUNT_BLOCK = 4096
+SUM_BLOCK = 1024  # the loss's final sum: lanes of the last program (fixes its order)
 NO_BAD_ID = 2**63 - 1  # kernels.ids' "no bad id" key
 # counts[0]: the counted denominator; counts[1]: unused; counts[2:4]: the id check's count and
 # first-bad key (kernels.ids' layout, read by ops.id_checks).
@@ -66,7 +68,8 @@ def _mask_counts_kernel(
     BLOCK: tl.constexpr,
 ):
     """One program: counts[0] = active tokens (COUNT_TOKENS) or sequences with an active token
-    (COUNT_SEQS); factor[s] = 1 / max(n_s, 1) (FACTOR); counts[2] = 0, counts[3] = "no bad id"."""
+    (COUNT_SEQS); factor[s] = 1 / max(n_s, 1) (FACTOR); counts[1] = 0 (the rows kernel's finished
+    programs); counts[2] = 0, counts[3] = "no bad id"."""
     zero = tl.sum(tl.zeros((BLOCK,), dtype=tl.int64), axis=0)
     tokens = zero
     seqs = zero
@@ -95,7 +98,7 @@ def _mask_counts_kernel(
         tl.store(counts_ptr, seqs)
     else:
         tl.store(counts_ptr, tokens)
-    tl.store(counts_ptr + 1, seqs)
+    tl.store(counts_ptr + 1, zero)  # the rows kernel's count of finished programs
     tl.store(counts_ptr + 2, zero)
     tl.store(counts_ptr + 3, zero + 9223372036854775807)
 
@@ -103,6 +106,7 @@ def _mask_counts_kernel(
 @triton.jit(do_not_specialize=["ignore_index", "seq_len", "base_inner", "win_start", "win_len"])
 def _device_rows_kernel(
     # outputs
+    loss_out_ptr,  # fp32 [1]: Σ ℓ over the rows, written by the last program to finish
     loss_ptr,  # fp32 [N]: the row's ℓ (0 when inactive)
     logp_ptr,  # fp32 [N]
     entropy_ptr,  # fp32 [N] (HAS_ENTROPY)
@@ -110,7 +114,7 @@ def _device_rows_kernel(
     g_logp_ptr,  # fp32 [N] (not GRAD_IN_FWD)
     g_entropy_ptr,  # fp32 [N] (HAS_ENTROPY, not GRAD_IN_FWD)
     ids_out_ptr,  # int32 [N]: the masked ids (not GRAD_IN_FWD)
-    counts_ptr,  # int64 [4]: counts[2:4] the id check's (CHECK_IDS)
+    counts_ptr,  # int64 [4]: counts[1] finished programs; counts[2:4] the id check's (CHECK_IDS)
     dx_ptr,  # [N, V] gradient rows (GRAD_IN_FWD), the logits' dtype
     stride_db,
     stride_dt,
@@ -123,6 +127,8 @@ def _device_rows_kernel(
     mask_ptr,  # [N] any dtype
     inputs,  # TokenLossKernelInputs
     # sizes
+    n_rows,  # N
+    n_programs,  # the grid (N, or the base's rows when WINDOWED)
     n_inner,
     n_cols,
     seq_len,
@@ -140,6 +146,7 @@ def _device_rows_kernel(
     GRAD_IN_FWD: tl.constexpr,
     CHECK_IDS: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SUM_BLOCK: tl.constexpr,
 ):
     """One row per program (see the module docstring). With ``WINDOWED`` (gradient in forward only)
     the grid covers every row of a base ``[outer, base_inner, V]`` (``x_ptr``, ``dx_ptr``: the base
@@ -187,6 +194,15 @@ def _device_rows_kernel(
         if BRANCH.HAS_ENTROPY:
             tl.store(g_entropy_ptr + row, tl.where(active, g_h, 0.0))
         tl.store(ids_out_ptr + row, y.to(tl.int32))
+    # The loss without a reduction launch: the last program to finish (integer atomic, acquire-
+    # release at GPU scope: every other program's row term is visible to it) sums the rows' terms
+    # in a fixed order, whichever program that is (deterministic).
+    if tl.atomic_add(counts_ptr + 1, 1) == n_programs - 1:
+        acc = tl.zeros((SUM_BLOCK,), dtype=tl.float32)
+        for start in range(0, n_rows, SUM_BLOCK):
+            offs = start + tl.arange(0, SUM_BLOCK)
+            acc += tl.load(loss_ptr + offs, mask=offs < n_rows, other=0.0, cache_modifier=".cg")
+        tl.store(loss_out_ptr, pairwise_sum(acc))
 
 
 _launch_counts = FastLauncher(_mask_counts_kernel)
@@ -217,10 +233,11 @@ def device_plan_forward(
             (``row_layout`` is then unused).
 
     Returns:
-        ``(loss_rows, logp, entropy, lse, g_logp, g_entropy, ids, counts)``: fp32 ``[N]`` each
-        (``entropy``/``g_entropy`` empty without an entropy term; ``lse``/``g_logp``/``g_entropy``/
-        ``ids`` empty with ``grad``), the masked ids int32 ``[N]``, and ``counts`` int64 ``[4]``
-        (``counts[2:4]``: the id check's count and first-bad key).
+        ``(loss, logp, entropy, lse, g_logp, g_entropy, ids, counts)``: the fp32 ``[1]`` loss (the
+        fixed-order sum of the rows' terms), fp32 ``[N]`` each (``entropy``/``g_entropy`` empty
+        without an entropy term; ``lse``/``g_logp``/``g_entropy``/``ids`` empty with ``grad``),
+        the masked ids int32 ``[N]``, and ``counts`` int64 ``[4]`` (``counts[2:4]``: the id
+        check's count and first-bad key).
     """
     n_cols = logits.shape[-1]
     if window_rows is not None:  # the base's rows: [outer, L, V] contiguous
@@ -234,10 +251,10 @@ def device_plan_forward(
     two_pass = grad is not None
     # One fp32 block for every per-row output: one allocation, one split.
     per_row = 0 if two_pass else n
-    sizes = [n, n, n if want_entropy else 0, per_row, per_row, per_row if want_entropy else 0,
+    sizes = [1, n, n, n if want_entropy else 0, per_row, per_row, per_row if want_entropy else 0,
              plan.n_seqs if plan.factor_per_seq else 0]  # fmt: skip
     block = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
-    loss_rows, logp, entropy, lse, g_logp, g_entropy, factor = block.split(sizes)
+    loss, loss_rows, logp, entropy, lse, g_logp, g_entropy, factor = block.split(sizes)
     counts = torch.empty(N_COUNTS, dtype=torch.int64, device=dev)
     ids_out = torch.empty(0 if two_pass else n, dtype=torch.int32, device=dev)
     if two_pass:
@@ -256,24 +273,26 @@ def device_plan_forward(
             {"num_warps": 4},
         )
         if n == 0:
-            return loss_rows, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
+            loss.zero_()
+            return loss, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
         cfg = lp.fwd_config(n_cols, logits.dtype, with_entropy=want_entropy)
         absent = block
         rows = (1, 0, 0) if window_rows is None else window_rows
         grid = n if window_rows is None else logits.numel() // n_cols
         _launch_rows(
             (grid,),
-            (loss_rows, logp, entropy if want_entropy else block, lse if not two_pass else block,
+            (loss, loss_rows, logp, entropy if want_entropy else block, lse if not two_pass else block,
              g_logp if not two_pass else block, g_entropy if want_entropy and not two_pass else block,
              ids_out if not two_pass else counts, counts, grad, stride_db, stride_dt,
              logits, stride_b, stride_t, stride_v, plan.token_ids, plan.mask,
-             plan.kernel_inputs(counts, factor, absent), n_inner, n_cols, int(plan.seq_len), *rows,
+             plan.kernel_inputs(counts, factor, absent), n, grid, n_inner, n_cols, int(plan.seq_len), *rows,
              float(temperature), int(plan.ignore_index), plan.scalars.kernel_args()),
             {"BLOCK_V": cfg.block_v, "NUM_STAGES": cfg.num_stages, "BRANCH": plan.kernel_branches(),
-             "GRAD_IN_FWD": two_pass, "CHECK_IDS": plan.check_ids, "WINDOWED": window_rows is not None},
+             "GRAD_IN_FWD": two_pass, "CHECK_IDS": plan.check_ids, "WINDOWED": window_rows is not None,
+             "SUM_BLOCK": SUM_BLOCK},
             {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
         )  # fmt: skip
-    return loss_rows, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
+    return loss, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
 
 
 __all__ = ["COUNT_BLOCK", "COUNT_NONE", "N_COUNTS", "device_plan_forward"]

@@ -10,9 +10,9 @@ one: logits that are rows of a model output (``out[:, P - 1 : -1]``) get the who
 from one launch over the base's rows, which writes the rows outside the window as zeros too (no
 separate zero fill, no view bookkeeping); other layouts take the host-plan Functions' backward.
 
-Same bits as the host-plan route for every per-token coefficient and for the gradient; the loss is
-the fixed-order sum of the same per-row terms (``loss_rows.sum()``; the host plan's 3-pass route
-sums block partials: the two losses may differ in the last bit).
+Same bits as the host-plan route for every per-token coefficient and for the 3-pass gradient; the
+loss is a fixed-order sum of the same per-row terms, taken by the rows kernel's last program (the
+host plan sums block partials or ``loss_rows.sum()``: the losses may differ in the last bits).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class DevicePlanLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
         x = kernels.as_kernel_layout(logits if window is None else window.of(logits))
-        loss_rows, logp, entropy, lse, g_logp, g_entropy, ids, counts = device_plan_forward(
+        loss, logp, entropy, lse, g_logp, g_entropy, ids, counts = device_plan_forward(
             x, plan, temperature=temperature, grad=None, row_layout=kernels.row_layout(x)
         )
         _defer_id_check(plan, counts, x, what)
@@ -64,7 +64,7 @@ class DevicePlanLossFunction(torch.autograd.Function):
         ctx.ignore_index = plan.ignore_index
         ctx.mark_non_differentiable(logp, entropy)
         ctx.set_materialize_grads(False)
-        return loss_rows.sum(), logp, entropy
+        return loss.view(()), logp, entropy
 
     @staticmethod
     @without_autocast
@@ -116,12 +116,12 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
             out = device_plan_forward(
                 x, plan, temperature=temperature, grad=target, row_layout=kernels.row_layout(x)
             )
-        loss_rows, logp, entropy, counts = out[0], out[1], out[2], out[7]
+        loss, logp, entropy, counts = out[0], out[1], out[2], out[7]
         _defer_id_check(plan, counts, x, what)
         ctx.grad = grad
         ctx.mark_non_differentiable(logp, entropy)
         ctx.set_materialize_grads(False)
-        return loss_rows.sum(), logp, entropy
+        return loss.view(()), logp, entropy
 
     @staticmethod
     @without_autocast
@@ -131,7 +131,7 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
 
 def _defer_id_check(plan, counts: torch.Tensor, x: torch.Tensor, what: str) -> None:
     if plan.check_ids:
-        id_checks.defer_result(what, counts[2:4], x.shape[-1], None)
+        id_checks.defer_result(what, counts, x.shape[-1], None, offset=2)  # counts[2:4], no slice op
 
 
 def token_loss_device_plan(

@@ -43,13 +43,17 @@ class _Pending:
     what: str  # the argument, as the error names it
     vocab_size: int
     ignore_index: int | None
-    host: torch.Tensor  # pinned int64 [2]: count, first-bad key (rlkernel.kernels.ids)
+    host: torch.Tensor  # pinned int64: count, first-bad key (rlkernel.kernels.ids) at host[offset:]
     done: torch.cuda.Event
+    offset: int = 0
 
 
 _lock = threading.Lock()
 _pending: list[_Pending] = []
-_free_buffers: list[torch.Tensor] = []  # pinned [2] buffers already read, reused (no allocation per call)
+# Pinned buffers (by length) and events already read, reused: a pinned allocation and an event's
+# creation are each tens of µs of host time on the H100 host, per call otherwise.
+_free_buffers: dict[int, list[torch.Tensor]] = {}
+_free_events: list[torch.cuda.Event] = []
 
 
 def raise_pending_errors(wait: bool = True) -> None:
@@ -74,9 +78,10 @@ def raise_pending_errors(wait: bool = True) -> None:
     for p in ready:
         if wait:
             p.done.synchronize()
-        count, key = (int(v) for v in p.host.tolist())
+        count, key = (int(v) for v in p.host.tolist()[p.offset : p.offset + 2])
         with _lock:
-            _free_buffers.append(p.host)
+            _free_buffers.setdefault(p.host.numel(), []).append(p.host)
+            _free_events.append(p.done)
         if count:
             from rlkernel.kernels.ids import decode_first
 
@@ -145,18 +150,20 @@ def check_token_ids(
     _queue(what, stats, vocab_size, ignore_index)
 
 
-def defer_result(what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
-    """Defer the result of an id check that a caller's own kernel made (``stats``: int64 ``[2]`` on
-    CUDA in ``rlkernel.kernels.ids``' layout: the count of bad ids and the first one's key): the
-    errors of earlier finished checks are raised first, then this one is read later (see the module
-    docstring). Nothing is queued inside CUDA-graph capture. Off CUDA (the CPU interpreter) it is
-    read at once and raises here.
+def defer_result(
+    what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None, offset: int = 0
+) -> None:
+    """Defer the result of an id check that a caller's own kernel made (``stats``: int64 on CUDA
+    holding, at ``offset``, ``rlkernel.kernels.ids``' two numbers: the count of bad ids and the
+    first one's key; copied whole, no slicing op): the errors of earlier finished checks are raised
+    first, then this one is read later (see the module docstring). Nothing is queued inside
+    CUDA-graph capture. Off CUDA (the CPU interpreter) it is read at once and raises here.
 
     Raises:
         ValueError: ``stats`` off CUDA counts a bad id.
     """
     if not stats.is_cuda:
-        count, key = (int(v) for v in stats.tolist())
+        count, key = (int(v) for v in stats.tolist()[offset : offset + 2])
         if count:
             from rlkernel.kernels.ids import decode_first
 
@@ -166,18 +173,24 @@ def defer_result(what: str, stats: torch.Tensor, vocab_size: int, ignore_index: 
     if torch.cuda.is_current_stream_capturing():
         return
     raise_pending_errors(wait=False)
-    _queue(what, stats, vocab_size, ignore_index)
+    _queue(what, stats, vocab_size, ignore_index, offset)
 
 
-def _queue(what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
+def _queue(
+    what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None, offset: int = 0
+) -> None:
     """Copy ``stats`` into pinned memory behind the queued kernels and remember the check."""
+    n = stats.numel()
     with _lock:
-        host = _free_buffers.pop() if _free_buffers else None
+        free = _free_buffers.get(n)
+        host = free.pop() if free else None
+        done = _free_events.pop() if _free_events else None
     if host is None:
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+    if done is None:
+        done = torch.cuda.Event()
     host.copy_(stats, non_blocking=True)
-    done = torch.cuda.Event()
     done.record()
     with _lock:
-        _pending.append(_Pending(what, vocab_size, ignore_index, host, done))
+        _pending.append(_Pending(what, vocab_size, ignore_index, host, done, offset))
 

@@ -73,10 +73,23 @@ class RouteFacts:
     weight_grad: bool = False
 
 
+_CHOSEN: dict[tuple[RouteFacts, Options], Route] = {}  # pure: memoized (a handful of distinct calls)
+
+
 def choose_route(facts: RouteFacts, options: Options) -> Route:
     """The route of a call with these facts under these options (the rules of the module docstring).
-    Pure: no tensor is read, nothing is launched."""
-    f = facts
+    Pure: no tensor is read, nothing is launched (hence memoized: a training loop asks the same
+    question every step)."""
+    key = (facts, options)
+    route = _CHOSEN.get(key)
+    if route is None:
+        if len(_CHOSEN) > 1024:
+            _CHOSEN.clear()
+        route = _CHOSEN[key] = _choose(facts, options)
+    return route
+
+
+def _choose(f: RouteFacts, options: Options) -> Route:
     if f.source == "logits":
         return _logits_route(f, options)
     if options.token_level_fusion and not f.vocab_parallel and f.token_level and f.kernels == "triton":
@@ -141,11 +154,8 @@ def route_facts(
     options: Options,
 ) -> RouteFacts:
     """The :class:`RouteFacts` of a checked call (read once; nothing is launched)."""
-    cfg = batch.cfg
-    on_policy = batch.old_logp is None
-    token_level = token_loss.is_eligible(cfg, on_policy=on_policy)
-    closed_form = not token_level and seq_token_loss.is_eligible(
-        cfg, on_policy=on_policy, has_rollout_weights=batch.rollout_weights is not None
+    token_level, closed_form = _objective_kind(
+        batch.cfg, batch.old_logp is None, batch.rollout_weights is not None
     )
     compiling = torch.compiler.is_compiling()
     grad_mode = torch.is_grad_enabled()
@@ -181,6 +191,24 @@ def route_facts(
         gemm=gemm,
         weight_grad=weight_grad,
     )
+
+
+_KINDS: dict[tuple, tuple[bool, bool]] = {}
+
+
+def _objective_kind(cfg, on_policy: bool, has_rollout_weights: bool) -> tuple[bool, bool]:
+    """``(token_level, closed_form)`` of an objective (memoized: a function of the frozen config)."""
+    key = (cfg, on_policy, has_rollout_weights)
+    kind = _KINDS.get(key)
+    if kind is None:
+        if len(_KINDS) > 1024:
+            _KINDS.clear()
+        token_level = token_loss.is_eligible(cfg, on_policy=on_policy)
+        closed_form = not token_level and seq_token_loss.is_eligible(
+            cfg, on_policy=on_policy, has_rollout_weights=has_rollout_weights
+        )
+        kind = _KINDS[key] = (token_level, closed_form)
+    return kind
 
 
 def _linear_gemm(hidden, weight, bias, invariant: bool, options: Options) -> Gemm:

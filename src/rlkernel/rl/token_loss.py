@@ -323,10 +323,26 @@ def plan_from_batch(
     )
 
 
+_SCALARS: dict[tuple, TokenLossScalars] = {}
+
+
 def _scalars(
     cfg: PolicyLossConfig, norm_mult: float, floor: float, policy_term: bool = True
 ) -> TokenLossScalars:
-    """The :class:`TokenLossScalars` of ``cfg`` with the aggregation's ``norm_mult`` and ``floor``."""
+    """The :class:`TokenLossScalars` of ``cfg`` with the aggregation's ``norm_mult`` and ``floor``
+    (memoized: a function of the frozen config and three numbers, asked for on every call)."""
+    key = (cfg, norm_mult, floor, policy_term)
+    found = _SCALARS.get(key)
+    if found is None:
+        if len(_SCALARS) > 1024:
+            _SCALARS.clear()
+        found = _SCALARS[key] = _make_scalars(cfg, norm_mult, floor, policy_term)
+    return found
+
+
+def _make_scalars(
+    cfg: PolicyLossConfig, norm_mult: float, floor: float, policy_term: bool
+) -> TokenLossScalars:
     kl = None
     straight = False
     if cfg.kl_coef > 0:
@@ -380,20 +396,20 @@ def device_plan_from_batch(batch: LossBatch, token_ids: torch.Tensor, *, check_i
             norm_mult, denom = _normalizer(g_seqs, device)
         if cfg.aggregation == "seq-mean-token-sum-norm":
             norm_mult *= float(cfg.norm_length if cfg.norm_length is not None else max(seg.max_len, 1))
-    adv = batch.advantages.detach()
-    old = batch.old_logp
+    # The tensors as given: the kernels read them flat (contiguous, checked by the route) and never
+    # write them, so neither a flattening view nor a detached alias is needed (host time).
     return DevicePlan(
-        token_ids=token_ids.reshape(-1),
-        mask=batch.mask.reshape(-1),
-        old=None if old is None else old.detach().reshape(-1),
-        adv=adv.reshape(-1),
-        ref=batch.ref_logp.detach().reshape(-1) if cfg.kl_coef > 0 else None,
-        scalars=_scalars(cfg, norm_mult, floor),
-        seq_len=max(seg.max_len, 1),
-        n_seqs=seg.n_seqs,
-        adv_per_seq=batch.advantages_per_seq,
-        count=count,
-        denom=denom,
-        factor_per_seq=cfg.aggregation == "seq-mean-token-mean",
-        check_ids=check_ids,
+        token_ids,
+        batch.mask,
+        batch.old_logp,
+        batch.advantages,
+        batch.ref_logp if cfg.kl_coef > 0 else None,
+        _scalars(cfg, norm_mult, floor),
+        max(seg.max_len, 1),
+        seg.n_seqs,
+        batch.advantages_per_seq,
+        count,
+        denom,
+        cfg.aggregation == "seq-mean-token-mean",
+        check_ids,
     )
