@@ -67,7 +67,10 @@ from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
 #   bandwidth; the best point, 4096/8 warps, was 0.818 ms) and 0.965 ms with entropy at 1 stage
 #   (the per-lane Σp·z accumulator doubles the registers, so deeper pipelines lose occupancy); the
 #   first guess, 8192-value tiles at 16 warps, gave 0.895 / 1.438 ms. V = 32,768: 0.191 / 0.222 ms.
-#   backward: 8192-value tiles, 4 warps: 1.743 ms at V = 151,936 (2.86 TB/s read + write).
+#   backward: 8192-value tiles, 4 warps: 1.743 ms at V = 151,936 (2.86 TB/s read + write). Re-swept
+#   2026-11-28 on the users' layout (the gradient of the whole [8, 1152, V] output, ragged rows, the
+#   windowed launch): 4096-value tiles, 4 warps 1.699 ms vs 1.765 (V = 151,936), 0.391 vs 0.424 ms
+#   (V = 32,768); 2048 and 16384 slower, 16 warps slower (.gpu sweep, H100). Elementwise: no bit moves.
 # The forward tile is the same with and without entropy on purpose: BLOCK_V fixes the order of the
 # per-row sums, so logp must not change its bits when the caller also asks for the entropy (a
 # rollout that skips the entropy must score tokens exactly as the trainer that wants it).
@@ -75,7 +78,7 @@ FWD_BLOCK_V = 2048
 FWD_WARPS = 4
 FWD_STAGES = 4
 FWD_STAGES_ENTROPY = 1
-BWD_TILE_BYTES = 16 * 1024
+BWD_TILE_BYTES = 8 * 1024
 BWD_WARPS = 4
 _INT32_MAX = 2**31 - 1
 

@@ -115,6 +115,7 @@ def _device_rows_kernel(
     g_entropy_ptr,  # fp32 [N] (HAS_ENTROPY, not GRAD_IN_FWD)
     ids_out_ptr,  # int32 [N]: the masked ids (not GRAD_IN_FWD)
     counts_ptr,  # int64 [4]: counts[1] finished programs; counts[2:4] the id check's (CHECK_IDS)
+    host_ptr,  # int64 [2] pinned host memory (HOST_COPY): counts[2:4], written by the last program
     dx_ptr,  # [N, V] gradient rows (GRAD_IN_FWD), the logits' dtype
     stride_db,
     stride_dt,
@@ -147,6 +148,7 @@ def _device_rows_kernel(
     CHECK_IDS: tl.constexpr,
     WINDOWED: tl.constexpr,
     SUM_BLOCK: tl.constexpr,
+    HOST_COPY: tl.constexpr,
 ):
     """One row per program (see the module docstring). With ``WINDOWED`` (gradient in forward only)
     the grid covers every row of a base ``[outer, base_inner, V]`` (``x_ptr``, ``dx_ptr``: the base
@@ -203,6 +205,9 @@ def _device_rows_kernel(
             offs = start + tl.arange(0, SUM_BLOCK)
             acc += tl.load(loss_ptr + offs, mask=offs < n_rows, other=0.0, cache_modifier=".cg")
         tl.store(loss_out_ptr, pairwise_sum(acc))
+        if HOST_COPY:  # the id check's two numbers straight into pinned host memory: no copy launch
+            tl.store(host_ptr, tl.load(counts_ptr + 2, cache_modifier=".cg"))
+            tl.store(host_ptr + 1, tl.load(counts_ptr + 3, cache_modifier=".cg"))
 
 
 _launch_counts = FastLauncher(_mask_counts_kernel)
@@ -217,6 +222,7 @@ def device_plan_forward(
     grad: torch.Tensor | None,
     row_layout: tuple[int, int, int, int] | None,
     window_rows: tuple[int, int, int] | None = None,
+    host: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Both launches over the ``N`` rows of ``logits`` (kernel layout, whose ``row_layout`` the caller
     computed) for ``plan`` (the same N tokens); nothing is checked here (the public op validated
@@ -231,6 +237,9 @@ def device_plan_forward(
             logits (``ops._views.Window.rows``), and ``grad`` a contiguous tensor of the base's
             shape: the rows kernel runs over every base row and writes the zero rows too
             (``row_layout`` is then unused).
+        host: CUDA only, with ``plan.check_ids``: a pinned int64 ``[2]`` host buffer (mapped into
+            the GPU's address space) that the last program fills with the id check's count and
+            first-bad key (``ops.id_checks.defer_written``); None: read them from ``counts``.
 
     Returns:
         ``(loss, logp, entropy, lse, g_logp, g_entropy, ids, counts)``: the fp32 ``[1]`` loss (the
@@ -274,6 +283,8 @@ def device_plan_forward(
         )
         if n == 0:
             loss.zero_()
+            if host is not None:  # no rows kernel to write the id check's result: none is bad
+                host.zero_()
             return loss, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
         cfg = lp.fwd_config(n_cols, logits.dtype, with_entropy=want_entropy)
         absent = block
@@ -283,13 +294,14 @@ def device_plan_forward(
             (grid,),
             (loss, loss_rows, logp, entropy if want_entropy else block, lse if not two_pass else block,
              g_logp if not two_pass else block, g_entropy if want_entropy and not two_pass else block,
-             ids_out if not two_pass else counts, counts, grad, stride_db, stride_dt,
+             ids_out if not two_pass else counts, counts, host if host is not None else counts,
+             grad, stride_db, stride_dt,
              logits, stride_b, stride_t, stride_v, plan.token_ids, plan.mask,
              plan.kernel_inputs(counts, factor, absent), n, grid, n_inner, n_cols, int(plan.seq_len), *rows,
              float(temperature), int(plan.ignore_index), plan.scalars.kernel_args()),
             {"BLOCK_V": cfg.block_v, "NUM_STAGES": cfg.num_stages, "BRANCH": plan.kernel_branches(),
              "GRAD_IN_FWD": two_pass, "CHECK_IDS": plan.check_ids, "WINDOWED": window_rows is not None,
-             "SUM_BLOCK": SUM_BLOCK},
+             "SUM_BLOCK": SUM_BLOCK, "HOST_COPY": host is not None},
             {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
         )  # fmt: skip
     return loss, logp, entropy, lse, g_logp, g_entropy, ids_out, counts

@@ -41,10 +41,11 @@ class DevicePlanLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
         x = kernels.as_kernel_layout(logits if window is None else window.of(logits))
+        host = _host_slot(plan, x)
         loss, logp, entropy, lse, g_logp, g_entropy, ids, counts = device_plan_forward(
-            x, plan, temperature=temperature, grad=None, row_layout=kernels.row_layout(x)
+            x, plan, temperature=temperature, grad=None, row_layout=kernels.row_layout(x), host=host
         )
-        _defer_id_check(plan, counts, x, what)
+        _defer_id_check(plan, counts, host, x, what)
         want_entropy = plan.want_entropy
         # A row window of the base: the backward runs over the base's rows (inputs flat, as made).
         ctx.rows = None if window is None else window.rows(logits.shape)
@@ -98,10 +99,11 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, plan, temperature, window, what):
         rows = None if window is None else window.rows(logits.shape)
+        host = _host_slot(plan, logits)
         if rows is not None:  # the base itself, every row written by the kernel
             grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             out = device_plan_forward(
-                logits, plan, temperature=temperature, grad=grad, row_layout=None, window_rows=rows
+                logits, plan, temperature=temperature, grad=grad, row_layout=None, window_rows=rows, host=host
             )
             x = logits
         else:
@@ -114,10 +116,10 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
                 window.zero_outside(grad)
                 target = window.of(grad)
             out = device_plan_forward(
-                x, plan, temperature=temperature, grad=target, row_layout=kernels.row_layout(x)
+                x, plan, temperature=temperature, grad=target, row_layout=kernels.row_layout(x), host=host
             )
         loss, logp, entropy, counts = out[0], out[1], out[2], out[7]
-        _defer_id_check(plan, counts, x, what)
+        _defer_id_check(plan, counts, host, x, what)
         ctx.grad = grad
         ctx.mark_non_differentiable(logp, entropy)
         ctx.set_materialize_grads(False)
@@ -129,9 +131,24 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
         return (*TokenLossGradInForwardFunction.backward(ctx, *grads), None)  # no gradient for ``what``
 
 
-def _defer_id_check(plan, counts: torch.Tensor, x: torch.Tensor, what: str) -> None:
-    if plan.check_ids:
-        id_checks.defer_result(what, counts, x.shape[-1], None, offset=2)  # counts[2:4], no slice op
+def _host_slot(plan, x: torch.Tensor) -> torch.Tensor | None:
+    """On CUDA with the id check on: the pinned buffer the rows kernel writes the check's result
+    into (no copy launch afterwards); else None (also inside CUDA-graph capture, where nothing is
+    checked: a replayed graph must not write into a pooled buffer)."""
+    if not (plan.check_ids and x.is_cuda) or torch.cuda.is_current_stream_capturing():
+        return None
+    return id_checks.host_buffer(2)
+
+
+def _defer_id_check(
+    plan, counts: torch.Tensor, host: torch.Tensor | None, x: torch.Tensor, what: str
+) -> None:
+    if not plan.check_ids:
+        return
+    if host is not None:  # CUDA: the rows kernel's last program writes the result there
+        id_checks.defer_written(what, host, x.shape[-1], None)
+    else:  # the CPU interpreter: read now, raise here
+        id_checks.defer_result(what, counts, x.shape[-1], None, offset=2)
 
 
 def token_loss_device_plan(

@@ -180,16 +180,39 @@ def _queue(
     what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None, offset: int = 0
 ) -> None:
     """Copy ``stats`` into pinned memory behind the queued kernels and remember the check."""
-    n = stats.numel()
+    host = host_buffer(stats.numel())
+    host.copy_(stats, non_blocking=True)
+    _remember(what, host, vocab_size, ignore_index, offset)
+
+
+def host_buffer(n: int) -> torch.Tensor:
+    """A pinned int64 ``[n]`` buffer for a deferred check's result (from the pool, else new). A
+    kernel may write it directly (pinned memory is mapped into the GPU's address space under
+    unified addressing: the same pointer), then :func:`defer_written` queues the check."""
     with _lock:
         free = _free_buffers.get(n)
         host = free.pop() if free else None
+    return host if host is not None else torch.empty(n, dtype=torch.int64, pin_memory=True)
+
+
+def defer_written(what: str, host: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
+    """Queue the check whose kernel, already queued on the current stream, writes its count and
+    first-bad key into the pinned ``host`` ``[2]`` itself (no copy): earlier finished checks are
+    raised first. Nothing is queued inside CUDA-graph capture (the buffer goes back to the pool)."""
+    if torch.cuda.is_current_stream_capturing():
+        with _lock:
+            _free_buffers.setdefault(host.numel(), []).append(host)
+        return
+    raise_pending_errors(wait=False)
+    _remember(what, host, vocab_size, ignore_index, 0)
+
+
+def _remember(what: str, host: torch.Tensor, vocab_size: int, ignore_index: int | None, offset: int) -> None:
+    """An event behind the queued work, and the check in the pending list."""
+    with _lock:
         done = _free_events.pop() if _free_events else None
-    if host is None:
-        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
     if done is None:
         done = torch.cuda.Event()
-    host.copy_(stats, non_blocking=True)
     done.record()
     with _lock:
         _pending.append(_Pending(what, vocab_size, ignore_index, host, done, offset))
