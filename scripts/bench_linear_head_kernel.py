@@ -1,15 +1,19 @@
-"""The LM-head GEMM with a log-softmax epilogue (``rlkernel.kernels.linear_head``) against cuBLAS and
-the unfused path (cuBLAS fp32 logits + ``kernels/logprobs.py``), on one GPU.
+"""The fused LM head's kernels on one GPU: the LM-head GEMM with a log-softmax epilogue
+(``rlkernel.kernels.linear_head``) against cuBLAS and the unfused path (cuBLAS fp32 logits +
+``kernels/logprobs.py``), the host time of their launches, and the backward's scale pass.
 
     PYTHONPATH=src python3 scripts/bench_linear_head_kernel.py                  # H100: ~2 min
     PYTHONPATH=src python3 scripts/bench_linear_head_kernel.py --m 2048 --configs n256_s3 n256_s3_ws
+    PYTHONPATH=src python3 scripts/bench_linear_head_kernel.py --sections launch scale_cast
     PYTHONPATH=src python3 scripts/bench_linear_head_kernel.py --smoke          # CPU interpreter, tiny
 
-Shape: h ``[M, 4096]``, W ``[151936, 4096]`` bf16 (Qwen3-8B's head), T = 0.7, ~6% ignored rows.
-Per M it prints one table: each row is a timed call (CUDA events, each call queued behind a 1 GiB
-L2-evicting write, median of ``--reps`` after 3 warmup calls: ``rlkernel.bench.timing.gpu_time_ms``)
-with its time, the GEMM's TFLOP/s (2·M·V·H / time; "-" for the calls that run no GEMM: the unfused
-softmax kernels and the combine), time ÷ cuBLAS bf16, and a correctness column:
+``--sections`` (default ``tables``):
+
+``tables``: h ``[M, 4096]``, W ``[151936, 4096]`` bf16 (Qwen3-8B's head), T = 0.7, ~6% ignored rows.
+Per M one table: each row is a timed call (CUDA events, each call queued behind a 1 GiB L2-evicting
+write, median of ``--reps`` after 3 warmup calls: ``rlkernel.bench.timing.gpu_time_ms``) with its
+time, the GEMM's TFLOP/s (2·M·V·H / time; "-" for the calls that run no GEMM: the unfused softmax
+kernels and the combine), time ÷ cuBLAS bf16, and a correctness column:
 
     * ``stats`` rows: max |Δlogp| and |Δentropy| against the unfused path (fp32 logits from
       ``torch.mm(..., out_dtype=float32)``, then ``token_logprobs_fwd_into``); both are fp32
@@ -21,6 +25,18 @@ softmax kernels and the combine), time ÷ cuBLAS bf16, and a correctness column:
 
 A config that fails to compile or launch (``OutOfResources``: shared memory) is a row with its error,
 not a crash. Before the tables: the float64 error of ours and of the unfused path on 64 rows.
+
+``launch``: host µs per call of each kernel function the engine calls per chunk (the statistics GEMM
+storing the shifted exponents, the combine, the shifted gradient, the recomputing gradient GEMM) on
+small operands (M = 128, H = 256, V = 4096: the GPU keeps up), ``--launch-calls`` calls in a loop
+without a sync, median of 5 loops (``rlkernel.bench.timing.host_loop_us``), with the fast launcher
+(``rlkernel.kernels._launch``) and with Triton's own launch (option ``fast_launch=False``). The GEMMs
+take TMA descriptor arguments: this is what their fast launch saves per call on this host (sm90+).
+
+``scale_cast``: ``kernels.scale_cast.scale_cast_into`` (the backward's scale by the upstream
+gradient: fp32 → bf16 over the dweight accumulator's halves, bf16 in place over dhidden) next to a
+plain ``copy_`` of the same bytes: ms and TB/s (read + written), median of 20 calls
+(``gpu_time_ms``), and whether its bits equal ``(src.float() * scale).to(dst.dtype)``.
 """
 
 from __future__ import annotations
@@ -39,9 +55,11 @@ if SMOKE:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from rlkernel.bench.timing import gpu_time_ms  # noqa: E402
+import rlkernel as rk  # noqa: E402
+from rlkernel.bench.timing import gpu_time_ms, host_loop_us  # noqa: E402
 from rlkernel.kernels import linear_head as lh  # noqa: E402
 from rlkernel.kernels import logprobs as klp  # noqa: E402
+from rlkernel.kernels.scale_cast import scale_cast_into  # noqa: E402
 from rlkernel.reference import logprobs as ref  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -252,11 +270,78 @@ def print_table(m: int, table: list[tuple[str, float, str, bool]]) -> None:
         print(f"{name:52s} {cells}  {note}")
 
 
+def launch_section(calls: int) -> None:
+    """Host µs per call of the engine's per-chunk kernel functions, fast launch on and off."""
+    m, hdim, vocab = (16, 64, 1000) if SMOKE else (128, 256, 4096)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    h = torch.randn(m, hdim, device=DEV, generator=g).to(BF16)
+    w = torch.randn(vocab, hdim, device=DEV, generator=g).to(BF16)
+    ids = torch.randint(0, vocab, (m,), device=DEV, generator=g)
+    out = torch.empty(m, vocab, device=DEV, dtype=BF16)
+    cfg = CONFIGS[next(iter(CONFIGS))] if SMOKE else None
+    kw = {"config": cfg} if cfg is not None else {}
+    _, lse, entropy, tile_max = lh.linear_head_stats_shifted(h, w, ids, out, with_entropy=True, **kw)
+    parts, z_y = lh.stats_partials(h, w, ids, with_entropy=True, store_z=out, shifted=True, **kw)
+    gl, ge = torch.randn(m, device=DEV, generator=g), torch.randn(m, device=DEV, generator=g)
+    functions = {
+        "stats_partials (GEMM, TMA descriptors)": lambda: lh.stats_partials(
+            h, w, ids, with_entropy=True, store_z=out, shifted=True, **kw
+        ),
+        "combine_partials": lambda: lh.combine_partials(parts, z_y, ids, vocab_size=vocab, **kw),
+        "linear_head_grad_from_shifted": lambda: lh.linear_head_grad_from_shifted(
+            out, tile_max, ids, lse, entropy, gl, ge, **kw
+        ),
+        "linear_head_grad_into (GEMM, TMA descriptors)": lambda: lh.linear_head_grad_into(
+            h, w, ids, lse, entropy, gl, ge, out, **kw
+        ),
+    }
+    loops, warmup = (1, 0) if SMOKE else (5, 1)
+    shape = f"M = {m}, H = {hdim}, V = {vocab}"
+    print(f"\n=== launch: host us per call ({shape}; median of {loops} loops of {calls} calls)")
+    print(f"{'function':48s} {'fast':>8s} {'triton':>8s}")
+    for name, fn in functions.items():
+        fast = host_loop_us(fn, DEV, calls=calls, loops=loops, warmup=warmup)
+        with rk.use_options(fast_launch=False):
+            slow = host_loop_us(fn, DEV, calls=calls, loops=loops, warmup=warmup)
+        print(f"{name:48s} {fast:8.1f} {slow:8.1f}")
+
+
+def scale_cast_section(reps: int) -> None:
+    """scale_cast_into's bandwidth next to copy_ of the same bytes, and its bits."""
+    scale = torch.tensor(0.3712, device=DEV)
+    n_half, n_slab, n_dh = (4096, 1024, 4099) if SMOKE else (75968 * 4096, 4096 * 4096, 65536 * 4096)
+    cases = [
+        ("fp32 -> bf16, dweight half", torch.float32, BF16, n_half, False),
+        ("fp32 -> bf16, one 64 MiB slab", torch.float32, BF16, n_slab, False),
+        ("bf16 in place, dhidden 65k", BF16, BF16, n_dh, True),
+        ("bf16 in place, odd length", BF16, BF16, n_dh - 5, True),
+    ]
+    print("\n=== scale_cast")
+    print(f"{'case':34s} {'scale_cast ms':>13s} {'TB/s':>6s} {'copy_ ms':>9s} {'TB/s':>6s}  bits")
+    for name, sdt, ddt, n, inplace in cases:
+        src = (torch.randn(n, device=DEV) * 3).to(sdt)
+        expect = (src.float() * scale).to(ddt)
+        out = src.clone() if inplace else torch.empty(n, dtype=ddt, device=DEV)
+        scale_cast_into(out if inplace else src, out, scale)
+        same = torch.equal(out, expect)
+        nbytes = n * (sdt.itemsize + ddt.itemsize)
+        dst = src if inplace else out  # timed in place: the values shrink, the bytes do not
+        t = bench(lambda s=src, d=dst: scale_cast_into(s, d, scale), reps)
+        other = torch.empty(n, dtype=ddt, device=DEV)
+        tc = bench(lambda s=src, o=other: o.copy_(s), reps)
+        print(f"{name:34s} {t:13.3f} {nbytes / t / 1e9:6.2f} {tc:9.3f} {nbytes / tc / 1e9:6.2f}  {same}")
+    if SMOKE:
+        print("(the CPU interpreter rounds fp32 -> bf16 by truncation: bits differ there, not on the GPU)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", type=int, nargs="+", default=[32] if SMOKE else [2048, 6144])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--reps", type=int, default=10)
+    sections = ["tables", "launch", "scale_cast"]
+    parser.add_argument("--sections", nargs="+", default=["tables"], choices=sections)
+    parser.add_argument("--launch-calls", type=int, default=2 if SMOKE else 300, help="calls per launch loop")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes")
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -266,10 +351,15 @@ def main() -> int:
         f"{datetime.date.today()} | H = {HIDDEN}, V = {VOCAB}, bf16, T = {T}"
     )
     configs = [CONFIGS[name] for name in args.configs]
-    for i, m in enumerate(args.m):
-        print_table(m, run_m(m, i == 0, configs, args.reps, t0))
-        if not SMOKE:
-            torch.cuda.empty_cache()
+    if "tables" in args.sections:
+        for i, m in enumerate(args.m):
+            print_table(m, run_m(m, i == 0, configs, args.reps, t0))
+            if not SMOKE:
+                torch.cuda.empty_cache()
+    if "launch" in args.sections:
+        launch_section(args.launch_calls)
+    if "scale_cast" in args.sections:
+        scale_cast_section(20)
     print(f"\ndone in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -4,6 +4,7 @@ class, and how fast each is against cuBLAS at the Qwen3-8B layer shapes.
     PYTHONPATH=src python3 scripts/gpu_decode_gemm_sweep.py           # H100: ~2 min
     PYTHONPATH=src python3 scripts/gpu_decode_gemm_sweep.py --fp16    # the same for fp16
     PYTHONPATH=src python3 scripts/gpu_decode_gemm_sweep.py --smoke   # CPU interpreter, tiny sizes
+    PYTHONPATH=src python3 scripts/gpu_decode_gemm_sweep.py --candidates m16n32k128s4w2 m16n64k64s8w4
 
 Why these candidates. At M <= 64 a GEMM is a weight stream (M = 1: q/o reads 32 MB for 8 MFLOP),
 so its speed is the number of weight bytes in flight: programs × bytes per pipeline stage × stages.
@@ -25,6 +26,7 @@ Ends with one table: per (shape, M) cuBLAS, the current table pick, the fastest 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -103,6 +105,16 @@ def class_check(dtype, k, n, ref_cfg) -> dict[str, str]:
 
 
 def main() -> int:
+    global CANDIDATES
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fp16", action="store_true", help="the sweep in fp16 (against fp16's decode table)")
+    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny sizes, 6 candidates")
+    names = [c.name for c in CANDIDATES]
+    parser.add_argument("--candidates", nargs="+", choices=names, default=names, help="a subset to sweep")
+    args = parser.parse_args()
+    CANDIDATES = [c for c in CANDIDATES if c.name in args.candidates]
     t0 = time.perf_counter()
     ref = mt.CANDIDATES_16[REF]
     verdicts: dict[str, list[str]] = {c.name: [] for c in CANDIDATES}

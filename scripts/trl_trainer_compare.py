@@ -253,9 +253,9 @@ class StepProbe:
             torch.cuda.reset_peak_memory_stats()
             self.record["base_bytes"] = torch.cuda.memory_allocated()
         if self.breakdown and len(self.records) == 1:
-            import memory_peak  # scripts/ (this script's folder) is on sys.path
+            from rlkernel.bench.memory import Recorder
 
-            self._recorder = memory_peak.Recorder().__enter__()
+            self._recorder = Recorder().__enter__()
         return inputs
 
     def _compute_loss(self, original, model, inputs, **kwargs):

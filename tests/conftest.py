@@ -56,3 +56,12 @@ def set_options():
 
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(rk.use_options(**changes))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--agreement-seeds",
+        type=int,
+        default=1,
+        help="fresh batches per case of tests/integrations/test_agreement_tables.py (the docs' tables: 25)",
+    )

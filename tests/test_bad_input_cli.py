@@ -97,6 +97,13 @@ def test_bench_readme_paths(no_work, capsys, tmp_path):
         capsys,
         "--readme-path",
     )
+    _exit_2_one_line(  # the results page: a folder is no file to write
+        ["bench", "--readme", "--results", str(tmp_path), "--readme-path", str(readme), "--results-page",
+         str(tmp_path)],
+        capsys,
+        "--results-page",
+        "is a folder",
+    )
 
 
 # --------------------------------------------------------------------------------- consistency

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 import rlkernel as rk
 from rlkernel.bench import SUITES, BenchError, cli, get_suite, harness, report
 from rlkernel.bench import logits as bl
+from rlkernel.bench import readme as bench_readme
 
 SUITE = SUITES["logits"]
 # The default implementations of each workload (the trl rows are tested in test_bench_sliced.py: its
@@ -96,38 +98,92 @@ def test_smoke_cross_checks_against_plain_torch(smoke):
                 assert float(r["grad_rel_diff"]) <= 1e-2, r
 
 
-def test_readme_rewrites_only_the_marked_block(smoke, tmp_path):
+def test_readme_and_results_page_from_the_csvs(smoke, tmp_path):
     _, out, _ = smoke
-    readme = tmp_path / "README.md"
+    readme, page = tmp_path / "README.md", tmp_path / "results.md"
     head = "# title\n\nintro text\n\n"
     tail = "\n\n## after\n\nmore text\n"
-    readme.write_text(f"{head}{report.BEGIN}\nold table\n{report.END}{tail}")
-    assert cli.main(["--readme", "--results", str(out), "--readme-path", str(readme)]) == 0
+    readme.write_text(f"{head}{bench_readme.BEGIN}\nold table\n{bench_readme.END}{tail}")
+    argv = ["--readme", "--results", str(out), "--readme-path", str(readme), "--results-page", str(page)]
+    assert cli.main(argv) == 0
     text = readme.read_text()
-    assert text.startswith(head + report.BEGIN + "\n") and text.endswith(report.END + tail)
-    block = text[text.index(report.BEGIN) : text.index(report.END)]
-    assert "old table" not in block
-    assert "| dapo_kl_fwd_bwd (fwd+bwd) | 64 | 100 |" in block and "CPU smoke run" in block
-    assert "| workload | n_tokens | vocab | rlkernel | torch | torch.compile | liger | ceiling |" in block
-    # The table leads with the sliced workloads (the run's order); cells: isolated / back to back.
-    lines = [line for line in block.splitlines() if line.startswith("| ") and "(fwd" in line]
-    assert lines[0].startswith("| sliced_dapo_kl_fwd_bwd (fwd+bwd) | 64 | 100 | ")
-    assert [line.split(" (")[0] for line in lines] == ["| " + w for w in APPLICABLE]
-    assert "per call back to back (2 calls, one sync)" in block
-    iso, b2b = lines[0].split(" | ")[3].removesuffix(" ms").split(" / ")
+    assert text.startswith(head + bench_readme.BEGIN + "\n") and text.endswith(bench_readme.END + tail)
+    block = text[text.index(bench_readme.BEGIN) : text.index(bench_readme.END)]
+    assert "old table" not in block and "CPU smoke run" in block
+    # The headline: the users' call pattern only, one row per headline workload of the run (its one
+    # vocabulary is both the largest and the smallest: shown once), every peer a named column.
+    header = next(line for line in block.splitlines() if line.startswith("| call (users' pattern) |"))
+    peers = [f"Liger-Kernel {_env(out, 'liger')}", f"TRL {_env(out, 'trl')} (`trl.kernels`)",
+             f"torch {torch.__version__}", "torch.compile"]  # fmt: skip
+    assert header.split(" | ")[2:] == ["rlkernel", *peers, "floor", "rlkernel ÷ fastest peer |"]
+    rows = [line.split(" | ") for line in block.splitlines() if "| N = 64, V = 100 |" in line]
+    whats = ["DAPO + KL loss from logits, fwd+bwd", "GSPO loss from logits, fwd+bwd",
+             "log-probs + entropy from logits, fwd+bwd", "log-probs + entropy from logits, fwd (old / ref)"]
+    assert [r[0] for r in rows] == [f"| {w}" for w in whats]
+    iso, b2b = rows[0][2].removesuffix(" ms").split(" / ")  # isolated / back to back, no memory on CPU
     assert float(iso) > 0 and float(b2b) > 0
-    before = readme.read_text()
-    assert not report.update_readme(readme, out)  # idempotent
-    assert readme.read_text() == before
+    assert rows[0][3] == "skipped" and re.fullmatch(r"[\d.]+× / [\d.]+×", rows[0][-1].removesuffix(" |"))
+    assert "[docs/guides/benchmark-results.md](docs/guides/benchmark-results.md)" in block
+    # The page: every row, the run's order (the sliced workloads first)
+    full = page.read_text()
+    assert full.startswith("# Benchmark results\n") and "## `logits`" in full
+    assert "| workload | n_tokens | vocab | rlkernel | torch | torch.compile | liger | ceiling |" in full
+    lines = [line for line in full.splitlines() if line.startswith("| ") and "(fwd" in line]
+    assert [line.split(" (")[0] for line in lines] == ["| " + w for w in APPLICABLE]
+    assert "per call back to back (2 calls, one sync)" in full
+    before = readme.read_text(), full
+    assert bench_readme.update_docs(readme, out, page) == []  # idempotent
+    assert (readme.read_text(), page.read_text()) == before
+
+
+def _env(out, column: str) -> str:
+    with (out / "logits.csv").open(newline="") as f:
+        return next(csv.DictReader(f))[column] or "—"
+
+
+def test_headline_picks_sizes_and_ratios():
+    """The headline's size picks ("min" / "max" of the run) and the ratio to the fastest measured peer."""
+    base = {"suite": "logits", "pass": "fwd+bwd", "n_tokens": "8192", "status": "ok", "b2b_ms": ""}
+
+    def row(workload, vocab, impl, ms, status="ok"):
+        return {**base, "workload": workload, "vocab": str(vocab), "impl": impl, "median_ms": str(ms),
+                "status": status}  # fmt: skip
+
+    rows = [row("sliced_dapo_kl_fwd_bwd", v, impl, ms) for v in (1000, 2000)
+            for impl, ms in (("rlkernel", v / 1000), ("torch", 4 * v / 1000), ("liger", 2 * v / 1000))]
+    rows.append(row("sliced_dapo_kl_fwd_bwd", 2000, "trl", "", status="skipped: no TRL"))
+    rows = [{"suite": r["suite"], "workload": r["workload"], "pass": r["pass"], "n_tokens": r["n_tokens"],
+             "vocab": r["vocab"], **r} for r in rows]  # fmt: skip
+    table = bench_readme.headline_table({"logits": rows})
+    lines = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert [line[1] for line in lines] == ["N = 8,192, V = 2,000", "N = 8,192, V = 1,000"]  # max, then min
+    assert [line[2] for line in lines] == ["2.00 ms", "1.00 ms"]
+    assert lines[0][4] == "skipped" and lines[1][4] == "—"  # TRL: skipped at V = 2000, no row at 1000
+    assert [line[-1] for line in lines] == ["0.50× |", "0.50× |"]  # over Liger's time, the fastest peer
+    assert bench_readme.headline_table({"linear": rows}) == ""  # none of its workloads
 
 
 def test_readme_without_markers_is_a_clear_error(smoke, tmp_path, capsys):
     _, out, _ = smoke
     readme = tmp_path / "README.md"
     readme.write_text("# no markers\n")
-    assert cli.main(["--readme", "--results", str(out), "--readme-path", str(readme)]) == 2
+    argv = ["--readme", "--results", str(out), "--readme-path", str(readme)]
+    argv += ["--results-page", str(tmp_path / "page.md")]
+    assert cli.main(argv) == 2
     assert "<!-- bench:begin -->" in capsys.readouterr().err
     assert readme.read_text() == "# no markers\n"
+
+
+def test_results_page_beside_the_readme_by_default(smoke, tmp_path, capsys):
+    _, out, _ = smoke
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{bench_readme.BEGIN}\n{bench_readme.END}\n")
+    argv = ["--readme", "--results", str(out), "--readme-path", str(readme)]
+    assert cli.main(argv) == 2  # tmp_path/docs/guides does not exist
+    assert "--results-page" in capsys.readouterr().err
+    (tmp_path / "docs" / "guides").mkdir(parents=True)
+    assert cli.main(argv) == 0
+    assert (tmp_path / bench_readme.RESULTS_PAGE).read_text().startswith("# Benchmark results")
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import rlkernel as rk
 from rlkernel.bench import SUITES, cli, harness, report
 from rlkernel.bench import _logits_baselines as baselines
 from rlkernel.bench import logits as bl
+from rlkernel.bench import readme as bench_readme
 from rlkernel.bench.suite import optional_import
 
 SUITE = SUITES["logits"]
@@ -320,13 +321,24 @@ def test_bad_loop_is_rejected(capsys):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_committed_readme_table_is_generated_from_the_committed_csvs(monkeypatch):
-    """``rlkernel bench --readme`` on the committed results reproduces the committed README block
-    (a new CSV is committed with its regenerated table)."""
+def test_committed_readme_table_and_results_page_are_generated_from_the_committed_csvs(monkeypatch):
+    """``rlkernel bench --readme`` on the committed results reproduces the committed README block and
+    results page (a new CSV is committed with both regenerated). The README's table: at most 12 rows,
+    the users' call pattern, every peer a column named with its version."""
     monkeypatch.chdir(REPO)  # the block names the results folder as given: relative, as the CLI's default
     text = Path("README.md").read_text()
-    block = report.readme_block(Path("benchmarks/results"))
-    assert report.replace_block(text, block) == text
+    block = bench_readme.readme_block(Path("benchmarks/results"))
+    assert bench_readme.replace_block(text, block) == text
+    assert bench_readme.RESULTS_PAGE.read_text() == bench_readme.results_page(Path("benchmarks/results"))
+    lines = block.splitlines()
+    header = next(line for line in lines if line.startswith("| call (users' pattern) |"))
+    for peer in ("Liger-Kernel 0.8.5", "TRL 1.16.0 (`trl.kernels`)", "torch 2.11.0+cu130", "torch.compile"):
+        assert f"| {peer} |" in header
+    rows = lines[lines.index(header) + 2 :]
+    rows = rows[: next(i for i, line in enumerate(rows) if not line.startswith("| "))]
+    assert 10 <= len(rows) <= 12
+    assert all("from logits" not in r or "V = " in r for r in rows)  # the sliced workloads' sizes
+    assert all(r.split(" | ")[2] not in ("—", "") for r in rows)  # every headline row has rlkernel's time
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""``rlkernel bench``: run a benchmark suite, or regenerate the README table from committed results.
+"""``rlkernel bench``: run a benchmark suite, or regenerate the README table and the docs' results page
+from committed results.
 
 Examples::
 
@@ -7,7 +8,7 @@ Examples::
     rlkernel bench logits --n 8192 --v 151936 --impl rlkernel,liger --workload sliced_dapo_kl_fwd_bwd
     rlkernel bench logits --smoke --out /tmp/s     # tiny sizes on the CPU: checks the pipeline only
     rlkernel bench --list                          # suites, workloads, implementations
-    rlkernel bench --readme                        # README table from benchmarks/results/*.csv
+    rlkernel bench --readme                        # README table + docs results page from the CSVs
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from rlkernel.bench.readme import RESULTS_PAGE
 
 DEFAULT_OUT = Path("benchmarks/results")
 
@@ -63,10 +66,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--list", action="store_true", help="list suites, workloads and implementations")
     parser.add_argument(
-        "--readme", action="store_true", help="rewrite README.md's bench block from the CSVs in --results"
+        "--readme",
+        action="store_true",
+        help="rewrite README.md's bench block and the docs' results page from the CSVs in --results",
     )
     parser.add_argument("--results", type=Path, default=DEFAULT_OUT, help="CSV folder for --readme")
     parser.add_argument("--readme-path", type=Path, default=Path("README.md"), help="README for --readme")
+    parser.add_argument(
+        "--results-page",
+        type=Path,
+        help=f"the full tables' page for --readme (default: {RESULTS_PAGE} beside the README)",
+    )
 
 
 def _options(args: argparse.Namespace, suite_name: str):
@@ -130,22 +140,31 @@ def run(args: argparse.Namespace) -> int:
     0: all rows measured or skipped; 1: some implementation failed (its row says ``error``);
     2: bad command line (unknown suite, implementation, workload; no CUDA device without --smoke).
     """
-    from rlkernel._cli_paths import first_problem, input_dir_problem, input_file_problem, output_dir_problem
-    from rlkernel.bench import get_suite, harness, report
+    from rlkernel._cli_paths import (
+        first_problem,
+        input_dir_problem,
+        input_file_problem,
+        output_dir_problem,
+        output_file_problem,
+    )
+    from rlkernel.bench import get_suite, harness, readme, report
 
     try:
         if args.list:
             _list()
             return 0
         if args.readme:
+            page = args.results_page or args.readme_path.parent / RESULTS_PAGE
             problem = first_problem(
                 input_dir_problem("--results", args.results),
                 input_file_problem("--readme-path", args.readme_path, writable=True),
+                output_file_problem("--results-page", page),
             )
             if problem:
                 raise harness.BenchError(problem)
-            changed = report.update_readme(args.readme_path, args.results)
-            print(f"{args.readme_path}: bench table {'updated' if changed else 'already up to date'}")
+            changed = readme.update_docs(args.readme_path, args.results, page)
+            for path in (args.readme_path, page):
+                print(f"{path}: {'updated' if path in changed else 'already up to date'}")
             return 0
         if not args.suite:
             from rlkernel.bench import SUITES

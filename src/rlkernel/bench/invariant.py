@@ -40,7 +40,7 @@ Opt-in variants (``--impl``; not in the default run or the README table):
 Timing: the kernel workloads (gemm, rmsnorm, attn_*) are GPU time (``Workload.queue_ahead``: the
 host has issued each call before the GPU reaches it, so rows compare kernels and their ceilings,
 not Python launch paths); gemm_eager and the model workloads are eager calls timed as a caller sees
-them (for a decode step: mostly host time). ``scripts/profile_host_overhead.py`` breaks the host
+them (for a decode step: mostly host time). ``scripts/profile_invariant.py`` breaks the host
 time of each op down.
 
 Bytes and flops (for the roofline columns; E = 2 bytes per bf16 element):

@@ -102,9 +102,6 @@ def make_rows(
     return rows
 
 
-# Environment variables that change what is measured; recorded in the JSON meta.
-
-
 def _csv_cell(v: Any) -> str:
     if v is None:
         return ""

@@ -1,8 +1,9 @@
-"""Timing primitives of the benchmark harness: interleaved per-call CUDA-event timing of isolated
-calls, GPU time of small calls (``queue_ahead``), back-to-back loops (a training step's call
-pattern), L2 input rotation, quantiles. :mod:`rlkernel.bench.harness` runs workloads with them (and
-re-exports them); scripts that time one call at a time use :func:`gpu_time_ms` directly.
-See the harness module docstring for the method.
+"""Timing primitives of the benchmark harness and the profiling scripts: interleaved per-call
+CUDA-event timing of isolated calls, GPU time of small calls (``queue_ahead``), back-to-back loops (a
+training step's call pattern), the host time of a call (:func:`host_times`, :func:`host_loop_us`),
+L2 input rotation, quantiles. :mod:`rlkernel.bench.harness` runs workloads with them (and re-exports
+them); the scripts under ``scripts/`` time their calls with the same functions. See the harness
+module docstring for the method.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +49,8 @@ def _queue_gpu_work(device: torch.device) -> None:
 def gpu_time_ms(fn: Callable[[], Any], device: torch.device, *, reps: int, warmup: int = 3) -> float:
     """Median GPU time in ms of ``fn()`` (CUDA), each rep queued behind the L2-evicting write of
     ``queue_ahead``: the kernels' time, without launch latency or host time. For GPU scripts that
-    time one call at a time (``scripts/gpu_decode_gemm_sweep.py``)."""
+    time one kernel call at a time (``scripts/gpu_decode_gemm_sweep.py``,
+    ``scripts/bench_linear_head_kernel.py``)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -147,3 +150,76 @@ def quantile(xs: Sequence[float], q: float) -> float:
     pos = q * (len(s) - 1)
     lo, hi = math.floor(pos), math.ceil(pos)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class HostTimes:
+    """Medians, in ms, over isolated calls (the device idle when each starts):
+
+    * ``host_ms``: from the call's start to its return on the host. For a call that does not wait
+      for the GPU this is its host time (Python, checks, allocations, launches), the time before
+      which the GPU cannot have received the call's last kernel.
+    * ``cpu_ms``: the thread's CPU time over the same interval; ``host_ms - cpu_ms`` is time the
+      host spent blocked (a host sync inside the call, the GIL, a page fault).
+    * ``wall_ms``: from the call's start to the end of its GPU work (a sync after it).
+    """
+
+    host_ms: float
+    cpu_ms: float
+    wall_ms: float
+
+
+def host_times_interleaved(
+    calls: dict[str, Callable[[], Any]], device: torch.device, *, rounds: int, warmup: int = 1
+) -> dict[str, HostTimes]:
+    """:class:`HostTimes` of each call, the calls interleaved in ``rounds`` rounds in a rotated order
+    (host drift hits all alike), each call started on a synchronized device."""
+    names = list(calls)
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    host: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            synchronize(device)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            calls[name]()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            synchronize(device)
+            t2 = time.perf_counter()
+            host[name].append((t1 - t0) * 1e3)
+            cpu[name].append((c1 - c0) * 1e3)
+            wall[name].append((t2 - t0) * 1e3)
+    med = statistics.median
+    return {n: HostTimes(med(host[n]), med(cpu[n]), med(wall[n])) for n in names}
+
+
+def host_times(fn: Callable[[], Any], device: torch.device, *, reps: int, warmup: int = 3) -> HostTimes:
+    """:class:`HostTimes` of ``reps`` isolated calls of ``fn`` after ``warmup`` calls."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    return host_times_interleaved({"fn": fn}, device, rounds=reps, warmup=warmup)["fn"]
+
+
+def host_loop_us(
+    fn: Callable[[], Any], device: torch.device, *, calls: int, loops: int = 5, warmup: int = 10
+) -> float:
+    """Host µs per call of ``calls`` calls issued in a loop without a sync (the loop's time before
+    the sync that ends it, divided by ``calls``), median of ``loops`` loops. On operands small
+    enough that the GPU keeps up, the cost of a launch path on the host (checks, launcher, Python)."""
+    if calls < 1 or loops < 1:
+        raise ValueError(f"calls and loops must be >= 1, got {calls} and {loops}")
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    per_call = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+        synchronize(device)
+    return statistics.median(per_call)

@@ -1,17 +1,18 @@
 """What is allocated at the peak of a stretch of CUDA work: a ``torch.cuda.memory`` history replayed.
 
-    import memory_peak
-    with memory_peak.Recorder() as rec:      # CUDA only; no-op elsewhere
+    from rlkernel.bench.memory import Recorder
+
+    with Recorder() as rec:                  # CUDA only; no-op elsewhere
         step()
-    for row in rec.breakdown(top=12):
-        print(row)
+    for size, count, where in rec.breakdown(top=12)["sites"]:
+        print(size, count, where)
 
 :func:`live_at_peak` replays the allocator's trace (``torch.cuda.memory._snapshot()['device_traces']``:
 ``alloc`` adds a block, ``free_requested``/``free_completed`` removes it) and returns the blocks alive
 when the bytes allocated *during the recording* peaked; :func:`group` sums them by where they were
 allocated (the innermost Python frame in rlkernel, TRL, transformers or the caller's script, else
 the innermost frame; allocations with no Python frame — autograd's C++ backward — as one row).
-Used by ``scripts/trl_trainer_compare.py --memory-breakdown``.
+Used by ``scripts/trl_trainer_compare.py --memory-breakdown``; touches no device on import.
 """
 
 from __future__ import annotations

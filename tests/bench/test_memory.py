@@ -1,26 +1,8 @@
-"""scripts/memory_peak.py: the allocator-trace replay behind trl_trainer_compare's --memory-breakdown."""
+"""rlkernel.bench.memory: the allocator-trace replay behind trl_trainer_compare's --memory-breakdown."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "memory_peak.py"
-
-
-@pytest.fixture(scope="module")
-def mp():
-    spec = importlib.util.spec_from_file_location("memory_peak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+from rlkernel.bench import memory
 
 
 def _frame(path, line, name):
@@ -40,7 +22,7 @@ TORCH = _frame("/venv/site-packages/torch/nn/functional.py", 10, "linear")
 TRL = _frame("/venv/site-packages/trl/kernels/chunked_logprob.py", 77, "forward")
 
 
-def test_blocks_alive_at_the_peak_not_at_the_end(mp):
+def test_blocks_alive_at_the_peak_not_at_the_end():
     trace = [
         _alloc(1, 100, TORCH, OURS),  # named by the innermost owned frame, not torch's
         _alloc(2, 300, TRL),
@@ -52,26 +34,26 @@ def test_blocks_alive_at_the_peak_not_at_the_end(mp):
         _free(1),
         _alloc(5, 10, TRL),
     ]
-    peak, blocks = mp.live_at_peak(trace)
+    peak, blocks = memory.live_at_peak(trace)
     assert peak == 650
     assert sorted(b.size for b in blocks) == [50, 100, 500]
     where = {b.size: b.where for b in blocks}
     assert where[100] == where[500] == "rlkernel/ops/_linear_engine.py:300 __init__"
-    assert where[50] == mp.NO_FRAME
-    assert mp.group(blocks) == [(600, 2, where[100]), (50, 1, mp.NO_FRAME)]
-    assert mp.group(blocks, top=1) == [(600, 2, where[100])]
+    assert where[50] == memory.NO_FRAME
+    assert memory.group(blocks) == [(600, 2, where[100]), (50, 1, memory.NO_FRAME)]
+    assert memory.group(blocks, top=1) == [(600, 2, where[100])]
 
 
-def test_frees_of_blocks_from_before_the_recording_are_ignored(mp):
+def test_frees_of_blocks_from_before_the_recording_are_ignored():
     # Block 9 was allocated before the recording: its free must not lower the running total.
     trace = [_free(9), _alloc(1, 40, TRL), _alloc(2, 30, TRL), _free(1), _alloc(3, 5, TRL)]
-    peak, blocks = mp.live_at_peak(trace)
+    peak, blocks = memory.live_at_peak(trace)
     assert peak == 70 and sorted(b.size for b in blocks) == [30, 40]
     assert blocks[0].where == "trl/kernels/chunked_logprob.py:77 forward"
 
 
-def test_empty_trace_and_cpu_recorder(mp):
-    assert mp.live_at_peak([]) == (0, [])
-    with mp.Recorder() as rec:  # no CUDA here: records nothing
+def test_empty_trace_and_cpu_recorder():
+    assert memory.live_at_peak([]) == (0, [])
+    with memory.Recorder() as rec:  # no CUDA here: records nothing
         pass
     assert rec.breakdown() == {"peak_bytes": 0, "sites": []}
