@@ -1,7 +1,7 @@
 """Repeat launches of a compiled Triton kernel with less host time than ``kernel[grid](...)``.
 
 Why: a decode step of an HF model calls ~50 of our kernels on a few MB each, so the step is host
-bound (``scripts/profile_invariant_model.py``). On every call ``JITFunction.run`` (Triton 3.6)
+bound (``scripts/profile_invariant.py``). On every call ``JITFunction.run`` (Triton 3.6)
 re-derives each argument's specialization, builds a cache key that includes ``str(options)``,
 looks up the current device and stream, builds launch metadata and calls the (empty) launch hook
 chains: ~32 us of host time per launch of the matmul kernel on the H100 host (Triton 3.6,
