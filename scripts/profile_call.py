@@ -73,6 +73,11 @@ SMOKE_TOKENS, SMOKE_VOCAB, SMOKE_HIDDEN = 64, 100, 32
 # The stages of a call whose host entry / exit --marks records (module:function or module:Class.method).
 MARKS = (
     "rlkernel.rl.fused:validate_batch",
+    "rlkernel.rl.fused:route_facts",
+    "rlkernel.rl.token_loss:device_plan_from_batch",
+    "rlkernel.ops.device_plan_loss:device_plan_forward",
+    "rlkernel.ops.id_checks:defer_written",
+    "rlkernel.kernels.logprobs:token_logprobs_bwd_window_into",
     "rlkernel.rl.token_loss:masked_token_ids",
     "rlkernel.rl.token_loss:plan_from_batch",
     "rlkernel.ops.id_checks:check_token_ids",
