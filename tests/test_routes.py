@@ -352,14 +352,18 @@ def test_device_plan_window_gradient_is_zero_outside_and_other_layouts_work(two_
         out = rk.fused_policy_loss(DAPO, logits=odd[1:, 1:-1], **sliced)
         (g_odd,) = torch.autograd.grad(out.loss, odd)
     assert torch.count_nonzero(g_window[:, 0]) == 0 and torch.count_nonzero(g_window[:, -1]) == 0
-    assert torch.equal(g_window[:, 1:-1], g_flat)
+    if two_pass:  # two compilations of pass 2 (over the base's rows, over the leaf's): an ulp apart on GPUs
+        torch.testing.assert_close(g_window[:, 1:-1], g_flat, atol=1e-9, rtol=1e-6)
+    else:
+        assert torch.equal(g_window[:, 1:-1], g_flat)
     assert torch.count_nonzero(g_odd[0]) == 0 and torch.count_nonzero(g_odd[:, -1]) == 0
 
 
 @quiet
 def test_device_plan_inplace_and_retained_graph_backwards():
     base, kw = _inputs(seed=13)
-    with rk.use_backend("triton"):
+    # 3 passes for every call (an in-place backward is never the 2-pass route): one backward kernel
+    with rk.use_backend("triton"), rk.use_options(grad_in_forward_max_vocab=0):
         _, want = _run(DAPO, base, kw)
         inplace = base.detach().clone().requires_grad_(True)
         out = rk.fused_policy_loss(DAPO, logits=inplace[:, 1:-1], inplace_backward=True, **kw)
