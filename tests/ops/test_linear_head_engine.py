@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import rlkernel as rk
+from _linear_helpers import autograd_coef_fn
 from rlkernel.kernels import linear_head as lh
 from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
-from rlkernel.ops._linear_loss import autograd_coef_fn
 from rlkernel.reference import logprobs as ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _linear_helpers import autograd_coef_fn
 from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
-from rlkernel.ops._linear_loss import autograd_coef_fn
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 B, P, T, H, V = 3, 4, 7, 16, 53
