@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import torch
 
+from rlkernel.kernels.stage_rows import stage_rows_unchecked
 from rlkernel.ops._linear_grads import WholeBatchGrad, accumulate_dweight
 
 
@@ -96,7 +97,8 @@ class ChunkEngine:
 
     def __init__(self, hidden, weight, ids, temperature, ignore_index, geometry: ChunkGeometry,
                  dweight_accum: str, row_index=None, hidden_index=None):  # fmt: skip
-        self.hidden, self.weight, self.ids = hidden, weight, ids  # ids: every row's (staged by index)
+        # ids: every row's, flat and contiguous (staged by index when compacted)
+        self.hidden, self.weight, self.ids = hidden, weight, ids
         self.temperature, self.ignore_index = float(temperature), int(ignore_index)
         self.row_index = row_index
         self.hidden_index = row_index if hidden_index is None else hidden_index
@@ -111,8 +113,6 @@ class ChunkEngine:
         self.grad_buf = torch.empty(self.group_rows, self.vocab, dtype=dt, device=dev)
         # Every id a kernel reads is staged (a group's rows, then ignore_index on its pad rows).
         self.ids_buf = torch.empty(self.group_rows, dtype=torch.int64, device=dev)
-        # Compacted, every staged row is active: nothing to zero (one kernel less per group).
-        self.inactive = None if row_index is not None else (ids == self.ignore_index)[:, None]
         self.dweight_started = False  # the first group writes dweight (beta = 0), the others add
 
     # ------------------------------------------------------------------------------ bookkeeping
@@ -132,22 +132,16 @@ class ChunkEngine:
             yield k, min(c, n - k * c)
 
     def stage(self, rows: slice) -> tuple[int, int]:
-        """Copy a group's hidden rows and ids into the fixed buffers (ignored rows zeroed, the tail
-        padded with zero rows and ignore_index ids); returns (real rows, rows of whole chunks)."""
+        """Copy a group's hidden rows and ids into the fixed buffers (gathered by index when
+        compacted; ignored rows zeroed, which compacted rows never are; the tail padded with zero
+        rows and ignore_index ids), in one launch (``kernels.stage_rows``); returns (real rows,
+        rows of whole chunks)."""
         n = rows.stop - rows.start
         m = self.padded_rows(n)
-        hb, ib = self.hidden_buf[:n], self.ids_buf[:n]
-        if self.row_index is None:
-            hb.copy_(self.hidden[rows])
-            ib.copy_(self.ids[rows])
-        else:
-            torch.index_select(self.hidden, 0, self.hidden_index[rows], out=hb)
-            torch.index_select(self.ids, 0, self.row_index[rows], out=ib)
-        if self.inactive is not None:
-            hb.masked_fill_(self.inactive[rows], 0)
-        if m > n:  # (each torch call costs host time before the first GEMM: none for nothing)
-            self.hidden_buf[n:m].zero_()
-            self.ids_buf[n:m].fill_(self.ignore_index)
+        stage_rows_unchecked(
+            self.hidden_buf, self.ids_buf, self.hidden, self.ids, rows.start, n, m, self.ignore_index,
+            self.hidden_index, self.row_index, zero_ignored=self.row_index is None,
+        )  # fmt: skip
         return n, m
 
     # ----------------------------------------------------------------- the back end's protocol

@@ -157,7 +157,7 @@ from rlkernel.ops._dweight_accum import DweightAccumulator
 from rlkernel.ops._linear_engine import EngineSettings, make_engine
 from rlkernel.ops._linear_engine_base import ChunkEngine
 from rlkernel.ops._linear_grads import scaled, whole_batch_grads
-from rlkernel.ops._linear_rows import active_rows, hidden_rows, scatter_rows
+from rlkernel.ops._linear_rows import active_rows, hidden_rows, scatter_rows, strided_rows
 
 # coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy); ``rows`` is a ``slice`` of the flat
 # tokens, or (padding compaction) an int64 tensor of their flat positions (see fused_linear_token_loss).
@@ -192,8 +192,8 @@ class _LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, return_entropy, settings):
-        idx = active_rows(ids, ignore_index) if settings.compact else None
-        hr = hidden_rows(hidden, idx)
+        idx, hidx = active_rows(ids, ignore_index, strided_rows(hidden)) if settings.compact else (None, None)
+        hr = hidden_rows(hidden, idx, hidx)
         eng = make_engine(
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, hidden_index=hr.index
         )
@@ -208,7 +208,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
             logp[rows], lse[rows] = lp, ls
             if en is not None:
                 entropy[rows] = en
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, idx)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, idx, hr.index)
         ctx.args = (temperature, ignore_index, return_entropy, settings)
         ctx.set_materialize_grads(False)
         if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
@@ -221,7 +221,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, ids, lse, entropy, idx = ctx.saved_tensors
+        hidden, weight, bias, ids, lse, entropy, idx, hidx = ctx.saved_tensors
         temperature, ignore_index, return_entropy, settings = ctx.args
         none = (None,) * 8
         if not return_entropy:
@@ -229,7 +229,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
             return none
-        hr = hidden_rows(hidden, idx)
+        hr = hidden_rows(hidden, idx, hidx)
         eng = make_engine(
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
             hidden_index=hr.index,
@@ -291,7 +291,7 @@ def _flatten(hidden, token_ids):
     """``(hidden, flat int64 ids)``: hidden as ``[N, H]``, or 3-D as given — the Functions read a 3-D
     hidden's rows through ``_linear_rows.hidden_rows`` (in place for a slice of longer sequences,
     which a reshape here would copy)."""
-    ids = token_ids.reshape(-1).long()
+    ids = token_ids.reshape(-1).long().contiguous()  # the staging and compaction kernels read it flat
     if hidden.dim() == 3:
         return hidden, ids
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
@@ -387,13 +387,13 @@ class _FusedLinearLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, settings):
-        idx = active_rows(ids, ignore_index) if settings.compact else None
+        idx, hidx = active_rows(ids, ignore_index, strided_rows(hidden)) if settings.compact else (None, None)
         # Gradients only where autograd will ask for them (none under torch.no_grad(): 1 GEMM).
         grad_on = settings.grad_enabled
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
-        hr = hidden_rows(hidden, idx)
+        hr = hidden_rows(hidden, idx, hidx)
         eng = make_engine(
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
             dhidden_only=any_grad and not need_w, hidden_index=hr.index,
