@@ -110,10 +110,19 @@ class ChunkEngine:
         self.dweight_accum = dweight_accum
         dev, dt = hidden.device, hidden.dtype
         self.hidden_buf = torch.empty(self.group_rows, self.hidden_size, dtype=dt, device=dev)
-        self.grad_buf = torch.empty(self.group_rows, self.vocab, dtype=dt, device=dev)
         # Every id a kernel reads is staged (a group's rows, then ignore_index on its pad rows).
         self.ids_buf = torch.empty(self.group_rows, dtype=torch.int64, device=dev)
+        self._grad_buf = None
         self.dweight_started = False  # the first group writes dweight (beta = 0), the others add
+
+    @property
+    def grad_buf(self) -> torch.Tensor:
+        """The group's logits gradient ``[G, V]`` in the input dtype (made on first use: a forward
+        that keeps no logits, the primitive's on the epilogue kernel, never needs its G·V·2 bytes)."""
+        if self._grad_buf is None:
+            self._grad_buf = torch.empty(self.group_rows, self.vocab, dtype=self.hidden.dtype,
+                                         device=self.hidden.device)  # fmt: skip
+        return self._grad_buf
 
     # ------------------------------------------------------------------------------ bookkeeping
     def padded_rows(self, n: int) -> int:

@@ -177,6 +177,12 @@ def _grad_buffers(eng: ChunkEngine, bias, need_h, need_w, need_b):
     return dh, dw, db
 
 
+def _row_vectors(rows: int, count: int, device: torch.device) -> list[torch.Tensor | None]:
+    """``count`` fp32 ``[rows]`` vectors, then None up to three. Separate allocations, not views of
+    one: they are the Functions' outputs, which a caller may modify in place."""
+    return [torch.empty(rows, dtype=torch.float32, device=device) if i < count else None for i in range(3)]
+
+
 def _engine_rows(g: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor | None:
     """An upstream gradient ``[...]`` as contiguous fp32 ``[n]`` in the engine's row order (the
     active rows, when compacted): what the gradient kernels read, one slice per group."""
@@ -198,16 +204,24 @@ class _LinearLogprobsFunction(torch.autograd.Function):
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, hidden_index=hr.index
         )
         dev = hidden.device
-        # Per-row results in the engine's row order (the active rows only, when compacted).
-        logp = torch.empty(eng.rows, dtype=torch.float32, device=dev)
-        lse = torch.empty(eng.rows, dtype=torch.float32, device=dev)
-        entropy = torch.empty(eng.rows if return_entropy else 0, dtype=torch.float32, device=dev)
+        # Per-row results in the engine's row order (the active rows only, when compacted): one
+        # group's own outputs (no copies), else buffers made after the first group's launch.
+        logp = lse = entropy = None
         for rows in eng.groups():
             n, _ = eng.stage(rows)
             lp, en, ls = eng.group_stats(n, return_entropy)
+            if n == eng.rows:
+                logp, lse, entropy = lp, ls, en
+                continue
+            if logp is None:
+                logp, lse, entropy = _row_vectors(eng.rows, 2 + return_entropy, dev)
             logp[rows], lse[rows] = lp, ls
             if en is not None:
                 entropy[rows] = en
+        if logp is None:  # no rows
+            logp, lse, entropy = _row_vectors(0, 3, dev)
+        if entropy is None:
+            entropy = torch.empty(0, dtype=torch.float32, device=dev)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, idx, hr.index)
         ctx.args = (temperature, ignore_index, return_entropy, settings)
         ctx.set_materialize_grads(False)
@@ -382,6 +396,18 @@ def linear_token_logprobs_triton(
 
 
 # ------------------------------------------------------------------------------------- fused loss
+def _fused_outputs(eng: ChunkEngine, bias, with_entropy: bool, need_h, need_w, need_b):
+    """The fused loss's fp32 per-row logp and entropy (None without) ``[rows]``, its 0-dim fp32 loss
+    accumulator (zero) and, for the grouped loop, its gradient buffers (:func:`_grad_buffers`).
+    Made after the first chunk's statistics launch, so that their host time overlaps that GEMM
+    instead of delaying its start (an isolated call's GPU waits for the host until then)."""
+    dev = eng.hidden.device
+    logp, entropy, _ = _row_vectors(eng.rows, 1 + with_entropy, dev)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    grads = (None,) * 3 if eng.whole_batch else _grad_buffers(eng, bias, need_h, need_w, need_b)
+    return (logp, entropy, loss, *grads)
+
+
 class _FusedLinearLossFunction(torch.autograd.Function):
     """loss = Σ_chunks coef_fn(...)[0]; gradients computed in forward for upstream 1 (3 GEMMs)."""
 
@@ -393,23 +419,23 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
+        needs = (need_h, need_w, need_b)
         hr = hidden_rows(hidden, idx, hidx)
         eng = make_engine(
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
             dhidden_only=any_grad and not need_w, hidden_index=hr.index,
         )  # fmt: skip
-        dev = hidden.device
-        # Per-row results in the engine's row order (the active rows only, when compacted).
-        logp = torch.empty(eng.rows, dtype=torch.float32, device=dev)
-        entropy = torch.empty(eng.rows, dtype=torch.float32, device=dev) if with_entropy else None
-        loss = torch.zeros((), dtype=torch.float32, device=dev)
         ctx.whole = None  # whole batch: the gradient rows, kept for the backward's two GEMMs
         whole = eng.whole_batch
-        dh, dw, db = (None,) * 3 if whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
+        # The per-row results (in the engine's row order: the active rows only, when compacted), the
+        # loss and the grouped loop's gradient buffers are made after the first chunk's launch.
+        logp = entropy = loss = dh = dw = db = None
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k, cnt in eng.chunks(n):
                 chunk = eng.forward_chunk(k, cnt, with_entropy, keep_logits=any_grad)
+                if loss is None:
+                    logp, entropy, loss, dh, dw, db = _fused_outputs(eng, bias, with_entropy, *needs)
                 start = rows.start + chunk.rows.start
                 r = slice(start, start + cnt)
                 lp = chunk.logp[:cnt]
@@ -428,6 +454,8 @@ class _FusedLinearLossFunction(torch.autograd.Function):
                 ctx.whole = eng.whole_buffers()
             elif any_grad:
                 eng.group_grads(rows, n, m, dh, dw, db)
+        if loss is None:  # no rows
+            logp, entropy, loss, dh, dw, db = _fused_outputs(eng, bias, with_entropy, *needs)
         if dw is not None and not eng.dweight_started:
             dw.zero_()
         del eng
