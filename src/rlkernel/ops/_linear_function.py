@@ -74,11 +74,12 @@ staging also zeroes ignored rows, so garbage (NaN) hidden states at ignored posi
 neither dweight nor dbias (as in the reference).
 
 Padding compaction (both Functions; ``compact=True``, the default). Rows with ``ignore_index`` ids
-are not staged: the active rows are gathered (``index_select``) into the staging buffer, packed,
-so every GEMM runs over active rows only, and the results are scattered back (``index_copy``;
-ignored rows: logp = entropy = 0, dhidden rows exactly 0, nothing in dweight/dbias). One host sync
-per call (``nonzero``: the active count sizes the host loop); none, and no compaction, inside
-CUDA-graph capture (``_linear_rows.active_rows``). The fused loss's ``coef_fn`` then gets,
+are not staged: the active rows are gathered (``kernels.stage_rows``) into the staging buffer,
+packed, so every GEMM runs over active rows only, and the results are scattered back
+(``index_copy``; ignored rows: logp = entropy = 0, dhidden rows exactly 0, nothing in
+dweight/dbias). One launch and one host sync per call (``kernels.ids.active_rows``: the active
+count sizes the host loop); none, and no compaction, inside CUDA-graph capture
+(``_linear_rows.active_rows``). The fused loss's ``coef_fn`` then gets,
 instead of a contiguous ``slice``, the int64 flat positions of the chunk's rows (increasing).
 A compacted row sits at another position of its chunk than uncompacted: its logits keep their
 bits with the invariant GEMM, and with cuBLAS as long as it computes every row of a fixed-shape

@@ -36,7 +36,7 @@ class HiddenLayout:
 
 @dataclasses.dataclass(frozen=True)
 class HiddenRows:
-    """How the engine reads the caller's ``hidden``: ``rows`` ``[R, H]`` (index_select reads it;
+    """How the engine reads the caller's ``hidden``: ``rows`` ``[R, H]`` (the staging reads it;
     dhidden is built in its row space), ``index`` the positions in it of the engine's rows (None:
     ``rows`` is hidden flattened and the engine's ``row_index`` applies), ``layout`` the way back."""
 
