@@ -52,14 +52,11 @@ capped at ``max(1024, H)`` rows (``grad_rows_for``): a group is never larger tha
 gradient itself (at H = 1024 the 4096 rows of the byte budget would hold 1.2 GB of gradient rows
 next to a 0.3 GB weight gradient: a trainer's peak).
 
-Numbers for the design (H100, bf16, N = 8192, H = 4096, V = 151,936): each GEMM is 2·N·H·V =
-10.2 TFLOP ≈ 13.6 ms at ~750 TFLOP/s; logits are N·V = 1.25 G values (2.5 GB bf16, 5 GB fp32), and
-the log-softmax kernels stream them at ~3 TB/s (forward 0.8 ms bf16 / ~1.7 ms fp32, backward
-~1.7–2.5 ms). The path is GEMM-bound: the target is the 3 GEMMs (~41 ms) plus a few ms of streaming
-and dweight accumulation. The primitive needs a 4th GEMM because its backward starts only when
-autograd hands it the upstream gradients, when the chunk logits are gone; the fused loss keeps 3.
-``rlkernel bench linear`` times the logits dtype and the accumulation mode (opt-in ``--impl``
-variants); C and G were swept on an H100 (benchmarks/results/gpu_check_linear_h100_2026-11-24.log).
+Cost (H100, bf16, N = 8192, H = 4096, V = 151,936): GEMM-bound, each GEMM 2·N·H·V = 10.2 TFLOP
+≈ 13.6 ms; the primitive needs a 4th GEMM because its backward starts only when autograd hands it
+the upstream gradients, when the chunk logits are gone; the fused loss keeps 3
+(docs/guides/linear-path.md). C and G were swept on an H100
+(benchmarks/results/gpu_check_linear_h100_2026-11-24.log).
 
 Chunk rule (row invariance). cuBLAS picks its algorithm from the problem shape and pointer
 alignment, and different algorithms round differently, so a row's logits would change bits with
@@ -98,26 +95,11 @@ output dtype, so each row's logits, and then its log-probs from the same log-sof
 any M, so a chunk's GEMM covers its real rows only (the pad rows are ignored and never read).
 Backward as above (cuBLAS, at the logits the forward used).
 
-Memory model of the cuBLAS chunks (b = 4 for fp32 chunk logits, 2 for bf16; the epilogue kernel of
-``kernels/linear_head.py`` keeps no chunk logits: docs/guides/linear-path.md):
-
-    chunk/group     C·V·b fp32 logits (none with bf16 logits: they live in the gradient buffer)
-                    + G·V·2 gradient + G·H·2 staged hidden
-    dweight         V·H·4 fp32 accumulator (``dweight_accum="fp32"``, two allocations: see
-                    ``ops._dweight_accum``), cast to the weight's dtype *into the accumulator's own
-                    bytes* at the end, so that no second V·H buffer exists at once and the half that
-                    the gradient does not use is freed; or V·H·2 accumulated in the weight's dtype
-                    (``"weight"``: one bf16 rounding per group, half the memory and traffic)
-    dhidden         N·H·2 (an output)
-
-At V = 151,936, H = 4096 the fp32 accumulator alone is 2.49 GB, so peak extra memory with fp32
-accumulation is ~2.5 GB + ~1.3 GB of chunk buffers (defaults), flat in N. The ≤ 1.5 GB budget
-holds for a frozen weight, or with ``dweight_accum="weight"`` and smaller C/G; it cannot hold with
-an fp32 V·H accumulator. The fp32-accumulated dweight returned is exactly the size of a V·H
-gradient in the weight's dtype (the accumulator's first allocation; the second is freed at the cast).
-
-Whole batch: the gradient rows N·V·2 (1.87 GB at 6,144 rows) instead of the accumulator, plus the
-V·H dweight output in the weight's dtype; the fp32 chunk logits exist during the forward loop only.
+Memory (docs/guides/linear-path.md, Memory model): C·V·4 fp32 chunk logits (cuBLAS chunks with
+fp32 logits; the epilogue kernel keeps none), G·V·2 gradient and G·H·2 staged rows, the V·H dweight
+accumulator (fp32, two allocations cast into their own bytes at the end: ``ops._dweight_accum``;
+``dweight_accum="weight"``: V·H·2 in the weight's dtype); a whole batch holds its N'·V·2 gradient
+rows instead of the accumulator. Flat in N, but for the dhidden output (N·H·2).
 
 Upstream scale of the fused loss. The forward computes gradients for upstream gradient 1; backward
 multiplies by the upstream scalar ``g`` without a host sync (whole batch: see above). For
