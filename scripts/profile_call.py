@@ -81,12 +81,12 @@ MARKS = (
     "rlkernel.rl.token_loss:masked_token_ids",
     "rlkernel.rl.token_loss:plan_from_batch",
     "rlkernel.ops.id_checks:check_token_ids",
-    "rlkernel.ops._linear_function:_active_rows",
-    "rlkernel.ops._linear_engine:_Engine.__init__",
-    "rlkernel.ops._linear_engine:_Engine.stage",
-    "rlkernel.kernels.linear_head:stats_partials",
-    "rlkernel.kernels.linear_head:combine_partials",
-    "rlkernel.kernels.linear_head:linear_head_grad_into",
+    "rlkernel.ops._linear_function:active_rows",
+    "rlkernel.ops._linear_function:make_engine",
+    "rlkernel.ops._linear_engine_base:ChunkEngine.stage",
+    "rlkernel.kernels.linear_head:stats_partials_unchecked",
+    "rlkernel.kernels.linear_head:combine_partials_unchecked",
+    "rlkernel.kernels.linear_head:linear_head_grad_into_unchecked",
     "rlkernel.ops._linear_function:whole_batch_grads",
 )
 

@@ -151,8 +151,30 @@ def launches() -> list[tuple[str, object]]:
     out.append(
         ("logprobs bwd", lambda: kl.token_logprobs_bwd(logits, ids, lse_l, ent, torch.ones(6), torch.ones(6)))
     )
+    out += _linear_row_launches(rnd)
     out += _fused_loss_launches(rnd)
     return out
+
+
+def _linear_row_launches(rnd) -> list[tuple[str, object]]:
+    """The linear path's row kernels: padding compaction's index (with and without the storage rows
+    of a hidden read in place) and the group staging (gathered or in order, ignored rows zeroed)."""
+    import torch
+
+    from rlkernel.kernels import ids as ki
+    from rlkernel.kernels import stage_rows as ks
+
+    ids = torch.tensor([1, -100, 3, 4, -100, 6, 7, 8])
+    hidden, index = rnd(8, 64), torch.tensor([0, 2, 3, 5])
+    h_out, ids_out = torch.empty(8, 64, dtype=hidden.dtype), torch.empty(8, dtype=torch.int64)
+    return [
+        ("active rows", lambda: ki.active_rows(ids, -100)),
+        ("active rows + storage rows", lambda: ki.active_rows(ids, -100, 4, 2, storage=True)),
+        ("stage rows (in order, ignored zeroed)",
+         lambda: ks.stage_rows_unchecked(h_out, ids_out, hidden, ids, 0, 8, 8, -100, zero_ignored=True)),
+        ("stage rows (compacted, padded)",
+         lambda: ks.stage_rows_unchecked(h_out, ids_out, hidden, ids, 0, 4, 8, -100, index, index)),
+    ]  # fmt: skip
 
 
 def _fused_loss_launches(rnd) -> list[tuple[str, object]]:

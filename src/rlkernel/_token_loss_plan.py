@@ -43,6 +43,12 @@ import torch
 from rlkernel import _validate as check
 
 IGNORE_INDEX = -100
+# verl's numerical guards, defined once for the reference, the kernels and the rl algebra: the log
+# ratio logp − old_logp is clamped to ±LOG_RATIO_BOUND before its exponential (ppo, cispo, sapo,
+# dppo); k3's log ratio to ±K3_LOG_RATIO_BOUND and its value to ±K3_VALUE_BOUND.
+LOG_RATIO_BOUND = 20.0
+K3_LOG_RATIO_BOUND = 20.0
+K3_VALUE_BOUND = 10.0
 
 LossType = Literal["ppo", "cispo", "sapo", "reinforce"]
 KlEstimator = Literal["k1", "k2", "k3", "abs", "k3_unclamped"]

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import rlkernel as rk
+from _linear_helpers import autograd_coef_fn, ppo_kl_chunk_loss
 from rlkernel.ops import _linear_function as lf
-from rlkernel.ops._linear_loss import autograd_coef_fn, ppo_kl_chunk_loss
 from rlkernel.reference import logprobs as ref
 
 from .conftest import DEVICE, SIZES, SMOKE, generator, no_tf32, real_size_only, rel_err

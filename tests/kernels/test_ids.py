@@ -142,3 +142,24 @@ def test_masked_token_ids_inside_torch_compile_traces_the_torch_ops(monkeypatch)
         got = torch.compile(masked_token_ids, fullgraph=True, backend="eager")(ids, mask)
     assert calls == []
     assert _same(got, ids, mask)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, kernel.ROWS_BLOCK, kernel.ROWS_BLOCK + 3, 2 * kernel.ROWS_BLOCK + 5])
+@pytest.mark.parametrize("storage", [False, True])
+def test_active_rows_match_nonzero(n, storage):
+    """``active_rows``: the positions of the non-ignored ids in increasing order (bitwise what
+    ``nonzero`` gives), their storage rows ``i + (i // T)·gap``, and the count, across the blocks
+    that count their predecessors; ignore_index everywhere and nowhere too."""
+    g = torch.Generator().manual_seed(n + storage)
+    seq_len, gap = 7, 3
+    for fraction in (0.4, 0.0, 1.0):
+        ids = torch.randint(0, V, (n,), generator=g)
+        ids[torch.rand(n, generator=g) < fraction] = -100
+        ids = ids.to(DEVICE)
+        out = kernel.active_rows(ids, -100, seq_len, gap, storage=storage)
+        want = (ids != -100).nonzero().squeeze(1)
+        count = int(out[2 * n if storage else n])
+        assert count == want.numel()
+        assert torch.equal(out[:count], want)
+        if storage:
+            assert torch.equal(out[n : n + count], want + (want // seq_len) * gap)

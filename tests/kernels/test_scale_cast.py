@@ -104,10 +104,10 @@ def test_scale_on_another_device_raises():
 
 
 def test_scaled_helper_is_the_fp32_product_everywhere():
-    """``ops._linear_engine.scaled`` (the kernel on CUDA, torch ops elsewhere): bitwise the fp32
+    """``ops._linear_grads.scaled`` (the kernel on CUDA, torch ops elsewhere): bitwise the fp32
     product rounded once; a 16-bit tensor's scale is not rounded to 16 bits first (a CUDA
     ``torch.mul`` of a bf16 tensor by an fp32 0-dim tensor does: bf16(0.37) = 0.369140625)."""
-    from rlkernel.ops._linear_engine import scaled
+    from rlkernel.ops._linear_grads import scaled
 
     g = torch.Generator().manual_seed(9)
     x = torch.randn(4096 + 5, generator=g).to(torch.bfloat16).to(DEVICE)

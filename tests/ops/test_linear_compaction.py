@@ -18,8 +18,8 @@ import torch
 
 import rlkernel as rk
 from rlkernel.kernels import matmul as mk
-from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
+from rlkernel.ops import _linear_stored_logits as stored
 
 H, V = 16, 53
 # the default path, compacted vs not: (max |Δlogp|, max ‖Δgrad‖/‖grad‖) per dtype
@@ -107,11 +107,13 @@ def test_only_active_rows_are_projected(monkeypatch):
     h, w, b, ids = make(n=64, dtype=torch.bfloat16, seed=3)
     n_active = int((ids != -100).sum())
     rows, chunks = [], []
-    real_mm, real_chunk = mk.matmul_into, engine._Engine.chunk
+    real_mm, real_chunk = mk.matmul_into, stored.StoredLogitsEngine.chunk_logits
     # seam: count the rows each GEMM projects
     monkeypatch.setattr(mk, "matmul_into", lambda a, *x, **k: rows.append(a.shape[0]) or real_mm(a, *x, **k))
     # seam: count the chunk GEMMs
-    monkeypatch.setattr(engine._Engine, "chunk", lambda self, *a: chunks.append(1) or real_chunk(self, *a))
+    monkeypatch.setattr(
+        stored.StoredLogitsEngine, "chunk_logits", lambda self, *a: chunks.append(1) or real_chunk(self, *a)
+    )
     run(h, w, b, ids, invariant_logits=torch.bfloat16)
     assert sum(rows) == 2 * n_active  # forward, and the backward's recomputation
     rows.clear()
@@ -261,8 +263,10 @@ def test_fused_loss_projects_only_active_rows(monkeypatch):
     h, w, b, plan = loss_case("ragged", torch.bfloat16, seed=13)
     n_active = int((plan.ids != -100).sum())
     chunks = []
-    real_chunk = engine._Engine.chunk
+    real_chunk = stored.StoredLogitsEngine.chunk_logits
     # seam: count the chunk GEMMs
-    monkeypatch.setattr(engine._Engine, "chunk", lambda self, *a: chunks.append(1) or real_chunk(self, *a))
+    monkeypatch.setattr(
+        stored.StoredLogitsEngine, "chunk_logits", lambda self, *a: chunks.append(1) or real_chunk(self, *a)
+    )
     run_loss(h, w, b, plan)
     assert len(chunks) == -(-n_active // 8) < B * T // 8

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import rlkernel as rk
+from _linear_helpers import autograd_coef_fn
 from rlkernel.kernels import linear_head as lh
 from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
-from rlkernel.ops._linear_loss import autograd_coef_fn
 from rlkernel.reference import logprobs as ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -44,12 +44,14 @@ def rel(a, b):
 
 
 class Spy:
-    """Counts the epilogue kernel's launches (seam: a spy on the kernels module)."""
+    """Counts the epilogue kernel's launches through its unchecked entries, which the engine calls
+    (seam: a spy on the kernels module)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
-        for name in ("linear_head_stats", "linear_head_grad_into", "linear_head_stats_shifted",
-                     "linear_head_grad_from_shifted"):  # fmt: skip
+        for name in ("linear_head_stats_unchecked", "linear_head_grad_into_unchecked",
+                     "linear_head_stats_shifted_unchecked",
+                     "linear_head_grad_from_shifted_unchecked"):  # fmt: skip
             real = getattr(lh, name)
             monkeypatch.setattr(lh, name, self._wrap(name, real))  # seam: spy
 
@@ -78,7 +80,7 @@ def test_primitive_on_epilogue_kernel(dtype, whole_batch, monkeypatch):
     h, w, ids = make(dtype)
     spy = Spy(monkeypatch)
     lp, en, grads, (gl, ge) = primitive(h, w, ids, "triton", whole_batch=whole_batch)
-    assert "linear_head_stats" in spy.calls and "linear_head_grad_into" in spy.calls
+    assert "linear_head_stats_unchecked" in spy.calls and "linear_head_grad_into_unchecked" in spy.calls
     n_calls = len(spy.calls)
     clp, cen, cgrads, _ = primitive(h, w, ids, "cublas", whole_batch=whole_batch)
     assert len(spy.calls) == n_calls  # cublas: the kernel never runs
@@ -113,7 +115,9 @@ def test_fused_loss_on_epilogue_kernel(whole_batch, scale, monkeypatch):
 
     loss, lp, grads = run("triton")
     # Each chunk: statistics + shifted exponents from the GEMM, then the gradient from them.
-    assert spy.calls and set(spy.calls) == {"linear_head_stats_shifted", "linear_head_grad_from_shifted"}
+    assert spy.calls and set(spy.calls) == {
+        "linear_head_stats_shifted_unchecked", "linear_head_grad_from_shifted_unchecked"
+    }
     closs, clp, cgrads = run("cublas")
     hh, ww = leaves(h, w)
     rlp, ren = ref.linear_token_logprobs(hh, ww, ids, temperature=0.9, return_entropy=True)
@@ -159,16 +163,38 @@ def test_which_path_runs():
         rk.Options(linear_head_gemm="cutlass")
 
 
+def test_gemm_backend_is_a_function_of_settings_and_operands():
+    """``gemm_backend`` picks the engine's back end from the settings and the operands alone (meta
+    tensors: nothing runs), and ``chunk_geometry`` pads a group to whole chunks only on the back ends
+    with fixed-shape chunk GEMMs."""
+    w = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
+    h = torch.empty(N, H, dtype=torch.bfloat16, device="meta")
+    bias = torch.empty(V, dtype=torch.bfloat16, device="meta")
+
+    def backend(mode, bias=None, **kw):
+        settings = engine.EngineSettings.from_options(rk.Options(linear_head_gemm=mode), **kw)
+        return engine.gemm_backend(h, w, bias, settings).backend
+
+    assert backend("triton") == "epilogue"
+    assert backend("triton", bias=bias) == backend("cublas") == "cublas"
+    assert backend("triton", invariant=True) == backend("cublas", invariant=True) == "invariant"
+    settings = engine.EngineSettings(chunk_rows=8, grad_rows=16, whole_batch=True)
+    for mode, rows in (("epilogue", N), ("cublas", 48), ("invariant", 48)):
+        cls = {b.backend: b for b in (engine.EpilogueEngine, engine.CublasEngine, engine.InvariantGemmEngine)}
+        geo = engine.chunk_geometry(cls[mode], N, h, w, settings, need_dweight=True)
+        assert (geo.chunk_rows, geo.group_rows, geo.whole_batch) == (8, rows, True), mode
+
+
 def _spy_statistics_rows(monkeypatch) -> list[int]:
     """A list that records the rows of each fused-loss statistics launch (seam: a spy)."""
     rows_per_launch = []
-    real = lh.linear_head_stats_shifted
+    real = lh.linear_head_stats_shifted_unchecked
 
     def spy(h, *a, **k):
         rows_per_launch.append(h.shape[0])
         return real(h, *a, **k)
 
-    monkeypatch.setattr(lh, "linear_head_stats_shifted", spy)  # seam: spy
+    monkeypatch.setattr(lh, "linear_head_stats_shifted_unchecked", spy)  # seam: spy
     return rows_per_launch
 
 
@@ -247,7 +273,7 @@ def test_default_chunk_and_group_rows_at_the_real_vocabulary(hdim, chunk, group)
     h = torch.empty(8, hdim, dtype=torch.bfloat16, device="meta")
     ids = torch.zeros(8, dtype=torch.int64, device="meta")
     settings = engine.EngineSettings(head_gemm="triton", whole_batch=False)  # 8 rows: the groups'
-    eng = engine._Engine(h, w, None, ids, 1.0, -100, settings, need_dweight=True)
-    assert eng.epi and (eng.c, eng.cg) == (chunk, group)
-    frozen = engine._Engine(h, w, None, ids, 1.0, -100, settings, dhidden_only=True)
-    assert frozen.c == frozen.cg == engine.FROZEN_WEIGHT_ROWS
+    eng = engine.make_engine(h, w, None, ids, 1.0, -100, settings, need_dweight=True)
+    assert eng.backend == "epilogue" and (eng.chunk_rows, eng.group_rows) == (chunk, group)
+    frozen = engine.make_engine(h, w, None, ids, 1.0, -100, settings, dhidden_only=True)
+    assert frozen.chunk_rows == frozen.group_rows == engine.FROZEN_WEIGHT_ROWS

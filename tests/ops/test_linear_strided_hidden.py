@@ -1,6 +1,6 @@
 """A trainer's hidden states ``base[:, P - 1:-1]`` (a slice of ``[B, P + T, H]``, not viewable as
 ``[N, H]``) are read in place by the linear path when padding compaction applies
-(``_linear_engine.hidden_rows``), instead of being copied to ``[N, H]`` first: the rows read, the
+(``_linear_rows.hidden_rows``), instead of being copied to ``[N, H]`` first: the rows read, the
 dhidden rows scattered back and the results must be those of the contiguous copy."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkernel.ops import _linear_engine as engine
+from _linear_helpers import autograd_coef_fn
 from rlkernel.ops import _linear_function as lf
-from rlkernel.ops._linear_loss import autograd_coef_fn
+from rlkernel.ops import _linear_rows as linear_rows
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 B, P, T, H, V = 3, 4, 7, 16, 53
@@ -34,7 +34,7 @@ def test_hidden_rows_reads_a_slice_in_place():
     base, _, ids = make()
     hidden = base[:, P - 1 : -1]
     idx = (ids.reshape(-1) != -100).nonzero().squeeze(1)
-    hr = engine.hidden_rows(hidden, idx)
+    hr = linear_rows.hidden_rows(hidden, idx)
     assert hr.layout.step == P + T
     assert hr.rows.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     assert torch.equal(hr.rows.index_select(0, hr.index), hidden.reshape(-1, H)[idx])
@@ -44,10 +44,11 @@ def test_hidden_rows_reads_a_slice_in_place():
     want.reshape(-1, H)[idx] = hidden.reshape(-1, H)[idx]
     assert torch.equal(hr.layout.grad(dh), want)
     # No compaction (every row read): the flattening copy; 2-D and viewable inputs: as they are.
-    assert engine.hidden_rows(hidden, None).layout.step == 0
-    assert engine.hidden_rows(base, idx).layout.step == 0 and engine.hidden_rows(base, idx).index is None
+    assert linear_rows.hidden_rows(hidden, None).layout.step == 0
+    viewable = linear_rows.hidden_rows(base, idx)
+    assert viewable.layout.step == 0 and viewable.index is None
     flat = base.reshape(-1, H)
-    assert engine.hidden_rows(flat, idx).rows is flat
+    assert linear_rows.hidden_rows(flat, idx).rows is flat
 
 
 @pytest.mark.parametrize("mode", ["triton", "cublas"])

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import rlkernel as rk
+from _linear_helpers import autograd_coef_fn, ppo_kl_chunk_loss
 from rlkernel.ops import _dweight_accum as dweight_accum
 from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
-from rlkernel.ops._linear_loss import autograd_coef_fn, ppo_kl_chunk_loss
 from rlkernel.reference import logprobs as ref
 
 ON_GPU = torch.cuda.is_available()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import rlkernel as rk
+from _linear_helpers import autograd_coef_fn
 from rlkernel.ops import _linear_engine as engine
 from rlkernel.ops import _linear_function as lf
-from rlkernel.ops._linear_loss import autograd_coef_fn
 from rlkernel.reference import logprobs as ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -150,17 +150,17 @@ def test_whole_batch_rule():
     settings = engine.EngineSettings.from_options(opts, chunk_rows=CHUNK, grad_rows=GROUP)
 
     def eng(n, need_w, s=settings):
-        return engine._Engine(h[:n], w, None, ids[:n], 1.0, -100, s, need_dweight=need_w)
+        return engine.make_engine(h[:n], w, None, ids[:n], 1.0, -100, s, need_dweight=need_w)
 
     # H = 16, group 16 rows, fp32 accumulator: whole batch up to 32 rows (4 chunks of 8).
-    assert eng(32, True).whole and eng(32, True).cg == 32
-    assert not eng(33, True).whole and eng(33, True).cg == GROUP
-    assert not eng(8, False).whole  # no dweight wanted
-    assert not eng(0, True).whole  # no rows
+    assert eng(32, True).whole_batch and eng(32, True).group_rows == 32
+    assert not eng(33, True).whole_batch and eng(33, True).group_rows == GROUP
+    assert not eng(8, False).whole_batch  # no dweight wanted
+    assert not eng(0, True).whole_batch  # no rows
     never = engine.EngineSettings.from_options(opts, chunk_rows=CHUNK, whole_batch=False)
     always = engine.EngineSettings.from_options(opts, chunk_rows=CHUNK, grad_rows=8, whole_batch=True)
-    assert not eng(8, True, never).whole
-    assert eng(N, True, always).whole and eng(N, True, always).cg == 48
+    assert not eng(8, True, never).whole_batch
+    assert eng(N, True, always).whole_batch and eng(N, True, always).group_rows == 48
     with pytest.raises(ValueError, match="whole_batch"):
         engine.EngineSettings.from_options(rk.Options(), whole_batch="yes")
 

@@ -69,6 +69,7 @@ from torch import nn
 
 from rlkernel import _validate as check
 from rlkernel.rl import PolicyLossConfig, policy_loss
+from rlkernel.rl.objectives import LOG_RATIO_BOUND
 
 __all__ = ["PolicyLoss"]
 
@@ -79,8 +80,7 @@ POLICY_LOSS_TYPES = ("ppo", "gspo")
 CORRECTION_LEVELS = ("off", "token", "seq")
 CORRECTION_MODES = ("mask", "clip")
 CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
-# OpenRLHF's ppo clamps the log-ratio to ±20 before the exponential (as rlkernel's ppo does).
-_LOG_RATIO_BOUND = 20.0
+# OpenRLHF's ppo clamps the log-ratio to ±20 before the exponential, rlkernel's LOG_RATIO_BOUND.
 
 
 def _installed_version() -> str | None:
@@ -436,7 +436,7 @@ class PolicyLoss(nn.Module):
             seq_log_ratio = torch.where(mask, logp - base.detach(), 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
             ratio = seq_log_ratio.exp()[:, None]
         else:
-            ratio = log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND).exp()
+            ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
         unclipped = ratio * advantages
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
         clip_ratio = _masked_mean((clipped < unclipped).float(), mask)

@@ -37,14 +37,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rlkernel import _token_loss_plan as token_loss_plan
 from rlkernel._token_loss_plan import KL_CODES, LOSS_CODES
 from rlkernel.kernels._reduce import is_nonfinite
 
 # constexpr: compiled kernels may read module globals only when they are constexpr (the interpreter
 # does not enforce it; tests/kernels/test_jit_globals.py does).
-LOG_RATIO_BOUND = tl.constexpr(20.0)  # rl.objectives.LOG_RATIO_BOUND
-K3_LOG_RATIO_BOUND = tl.constexpr(20.0)  # rl.kl
-K3_VALUE_BOUND = tl.constexpr(10.0)
+LOG_RATIO_BOUND = tl.constexpr(token_loss_plan.LOG_RATIO_BOUND)
+K3_LOG_RATIO_BOUND = tl.constexpr(token_loss_plan.K3_LOG_RATIO_BOUND)
+K3_VALUE_BOUND = tl.constexpr(token_loss_plan.K3_VALUE_BOUND)
 # The branch codes of BRANCH.LOSS and BRANCH.KL, named (the one table is in _token_loss_plan).
 PPO = tl.constexpr(LOSS_CODES["ppo"])
 CISPO = tl.constexpr(LOSS_CODES["cispo"])

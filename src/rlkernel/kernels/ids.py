@@ -1,6 +1,8 @@
 """Token-id kernels of one launch each: ``bad_id_stats`` finds out-of-range token ids (their count
 and the first one) for a check that must not read anything on the host (``rlkernel.ops.id_checks``);
-``masked_ids`` turns a loss call's token ids and mask into the kernels' ids and the active mask.
+``masked_ids`` turns a loss call's token ids and mask into the kernels' ids and the active mask;
+``active_rows`` is padding compaction's index (the positions of the ids that are not
+``ignore_index``, and their count) for the linear path (``rlkernel.ops._linear_rows``).
 
 Why a kernel: the same check in torch ops (compare, mask, sum, argmax, index, cat) is ~9 launches,
 ~190 us of host time per call on the H100 host (torch 2.11, 2026-11-24); this is one launch on a
@@ -129,3 +131,70 @@ def masked_ids(ids: torch.Tensor, mask: torch.Tensor, ignore_index: int) -> tupl
         args = (out, active, ids, mask, n, int(ignore_index))
         _launch_masked((cdiv(n, BLOCK),), args, {"BLOCK": BLOCK}, {"num_warps": 4})
     return out, active
+
+
+# The compaction index: one program per ROWS_BLOCK ids. A program counts the active ids of the
+# blocks before its own (a loop over them, the same for every run: no atomics, no scan across
+# programs), then places its own active rows by a prefix sum: increasing order, as nonzero gives.
+# ROWS_BLOCK 4096: 16 programs at N = 65,536, the last re-reading 15 blocks (0.5 MB).
+ROWS_BLOCK = 4096
+
+
+@triton.jit(do_not_specialize=["n", "ignore_index", "seq_len", "gap"])
+def _active_rows_kernel(out_ptr, ids_ptr, n, ignore_index, seq_len, gap, BLOCK: tl.constexpr,
+                        STORAGE: tl.constexpr):  # fmt: skip
+    """``out`` int64: the positions at ``[0, count)``, with ``STORAGE`` their storage rows at
+    ``[n, n + count)``, the count at ``[n]`` (``[2n]`` with ``STORAGE``)."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    before = tl.zeros((), dtype=tl.int64)
+    start = tl.zeros((), dtype=tl.int64)
+    for _ in range(0, pid):  # the blocks before this one are whole
+        y = tl.load(ids_ptr + start + lanes).to(tl.int64)
+        before += tl.sum((y != ignore_index).to(tl.int64), axis=0)
+        start += BLOCK
+    offs = pid.to(tl.int64) * BLOCK + lanes
+    in_range = offs < n
+    y = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    active = in_range & (y != ignore_index)
+    ones = active.to(tl.int64)
+    pos = before + tl.cumsum(ones, axis=0) - ones  # exclusive prefix: this row's rank
+    tl.store(out_ptr + pos, offs, mask=active)
+    count_at = n
+    if STORAGE:  # row i of [B, T] at storage row i + (i // T)·gap of a hidden read in place
+        tl.store(out_ptr + n + pos, offs + (offs // seq_len) * gap, mask=active)
+        count_at = 2 * n
+    if pid == tl.num_programs(0) - 1:
+        tl.store(out_ptr + count_at, before + tl.sum(ones, axis=0))
+
+
+_launch_active = FastLauncher(_active_rows_kernel)
+
+
+def active_rows(
+    ids: torch.Tensor, ignore_index: int, seq_len: int = 1, gap: int = 0, storage: bool = False
+) -> torch.Tensor:
+    """The positions of the flat ``ids`` that are not ``ignore_index``, increasing (what
+    ``(ids != ignore_index).nonzero()`` gives), and their count, in one launch and one int64
+    buffer ``out`` on the device (reading the count is the caller's host sync): the positions at
+    ``out[:count]``, the count at ``out[N]``; with ``storage`` the positions' storage rows
+    ``i + (i // seq_len)·gap`` (row i of a ``[B, seq_len]`` batch in a hidden read in place) at
+    ``out[N:N + count]`` and the count at ``out[2N]``. The other entries are not written.
+
+    Args:
+        ids: contiguous integer ids (any shape: flat order).
+        ignore_index: the id of inactive rows.
+        seq_len, gap, storage: the storage rows' layout (``seq_len >= 1``), and whether to write them.
+    """
+    n = ids.numel()
+    out = torch.empty((2 * n if storage else n) + 1, dtype=torch.int64, device=ids.device)
+    if n == 0:
+        return out.zero_()
+    with _device_guard(ids):
+        _launch_active(
+            (cdiv(n, ROWS_BLOCK),),
+            (out, ids, n, int(ignore_index), int(seq_len), int(gap)),
+            {"BLOCK": ROWS_BLOCK, "STORAGE": bool(storage)},
+            {"num_warps": 8},
+        )
+    return out

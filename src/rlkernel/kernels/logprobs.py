@@ -363,19 +363,41 @@ def token_logprobs_fwd_into(
     each with ``logits.shape[:-1]`` elements. ``logits`` must be in kernel layout
     (``as_kernel_layout``). ``config`` overrides ``fwd_config`` for tests and tuning only: a row's
     bits depend on its ``block_v``, so production calls leave it None."""
-    n_inner, stride_b, stride_t, stride_v = _check_layout(logits)
-    n_rows, n_cols = logp.numel(), logits.shape[-1]
+    layout = _check_layout(logits)
+    n_rows = logp.numel()
     if n_rows == 0:
         return
     for out in (logp, lse) if entropy is None else (logp, lse, entropy):
         assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == n_rows
-    cfg = config or fwd_config(n_cols, logits.dtype, with_entropy=entropy is not None)
     ids = _flat_ids(token_ids)
+    token_logprobs_fwd_into_unchecked(
+        logits, layout, ids, logp, entropy, lse, float(temperature), int(ignore_index), config
+    )
+
+
+def token_logprobs_fwd_into_unchecked(
+    logits: torch.Tensor,
+    layout: tuple[int, int, int, int],
+    ids: torch.Tensor,
+    logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    lse: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    config: KernelConfig | None = None,
+) -> None:
+    """:func:`token_logprobs_fwd_into` without its checks, for a caller that launches it per chunk on
+    inputs it made itself (the linear path's chunk engine): ``layout`` is ``row_layout(logits)``
+    (not None), ``ids`` the flat contiguous ids, the outputs fp32 contiguous of ``n_rows > 0``
+    elements each."""
+    n_inner, stride_b, stride_t, stride_v = layout
+    n_rows, n_cols = logp.numel(), logits.shape[-1]
+    cfg = config or fwd_config(n_cols, logits.dtype, with_entropy=entropy is not None)
     with _device_guard(logits):
         _launch_fwd(
             (n_rows,),
             (logp, entropy if entropy is not None else logp, lse, logits, stride_b, stride_t, stride_v,
-             ids, n_inner, n_cols, float(temperature), int(ignore_index)),
+             ids, n_inner, n_cols, temperature, ignore_index),
             {"BLOCK_V": cfg.block_v, "NUM_STAGES": cfg.num_stages, "HAS_ENTROPY": entropy is not None},
             {"num_warps": cfg.num_warps, "enable_fp_fusion": FP_FUSION},
         )  # fmt: skip
@@ -432,7 +454,8 @@ def token_logprobs_bwd_into(
     ``grad_logp``/``grad_entropy`` None mean zero; ``entropy`` is needed with ``grad_entropy``.
     ``grad_scale`` (a one-element tensor on the logits' device, e.g. the 0-dim upstream gradient
     of a loss) multiplies both, read inside the kernel."""
-    n_inner, stride_xb, stride_xt, stride_xv = _check_layout(logits)
+    layout = _check_layout(logits)
+    n_inner, stride_xb, stride_xt, stride_xv = layout
     n_cols = logits.shape[-1]
     n_rows = logits.numel() // max(n_cols, 1)
     # The gradient may have another float dtype than the logits (the kernel casts on store): the
@@ -440,26 +463,55 @@ def token_logprobs_bwd_into(
     assert grad_logits.shape == logits.shape
     assert grad_logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
     if grad_logits.stride() == logits.stride():  # the logits themselves, or a window like theirs
-        strides_d = (stride_xb, stride_xt, stride_xv)
+        grad_strides = (stride_xb, stride_xt, stride_xv)
     else:
         assert grad_logits.is_contiguous(), "grad_logits must be contiguous or have the logits' strides"
-        strides_d = (n_inner * n_cols, n_cols, 1)
+        grad_strides = (n_inner * n_cols, n_cols, 1)
     if n_rows == 0:
         return
     assert grad_entropy is None or entropy is not None, "grad_entropy needs the saved entropy"
+    token_logprobs_bwd_into_unchecked(
+        logits, layout, _flat_ids(token_ids), _flat_f32(lse),
+        _flat_f32(entropy) if grad_entropy is not None else None,
+        _flat_f32(grad_logp) if grad_logp is not None else None,
+        _flat_f32(grad_entropy) if grad_entropy is not None else None,
+        grad_logits, grad_strides, float(temperature), int(ignore_index), config, grad_scale,
+    )  # fmt: skip
+
+
+def token_logprobs_bwd_into_unchecked(
+    logits: torch.Tensor,
+    layout: tuple[int, int, int, int],
+    ids: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    grad_logits: torch.Tensor,
+    grad_strides: tuple[int, int, int],
+    temperature: float,
+    ignore_index: int,
+    config: KernelConfig | None = None,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
+    """:func:`token_logprobs_bwd_into` without its checks, for a caller that launches it per chunk on
+    inputs it made itself (the linear path's chunk engine): ``layout`` is ``row_layout(logits)``,
+    ``grad_strides`` the (outer, inner, column) strides of ``grad_logits`` in that layout, ``ids``
+    the flat contiguous ids, the vectors fp32 contiguous ``[n_rows]`` (``entropy`` given, or read,
+    only with ``grad_entropy``), at least one row."""
+    n_inner, stride_xb, stride_xt, stride_xv = layout
+    n_cols = logits.shape[-1]
+    n_rows = logits.numel() // max(n_cols, 1)
     cfg = config or bwd_config(n_cols, logits.dtype)
     grid = (n_rows, triton.cdiv(n_cols, cfg.block_v))
     assert grid[1] <= 65535, f"vocabulary {n_cols} needs {grid[1]} tiles on grid axis 1 (> 65,535)"
-    flat_lse = _flat_f32(lse)
-    g_logp = _flat_f32(grad_logp) if grad_logp is not None else flat_lse
-    g_entropy = _flat_f32(grad_entropy) if grad_entropy is not None else flat_lse
-    ent = _flat_f32(entropy) if grad_entropy is not None else flat_lse
     with _device_guard(logits):
         _launch_bwd(
             grid,
-            (grad_logits, *strides_d, logits, stride_xb, stride_xt, stride_xv, _flat_ids(token_ids),
-             flat_lse, ent, g_logp, g_entropy, grad_scale if grad_scale is not None else flat_lse,
-             n_inner, n_cols, 1, 0, 0, float(temperature), int(ignore_index)),
+            (grad_logits, *grad_strides, logits, stride_xb, stride_xt, stride_xv, ids, lse,
+             entropy if grad_entropy is not None else lse, grad_logp if grad_logp is not None else lse,
+             grad_entropy if grad_entropy is not None else lse, grad_scale if grad_scale is not None else lse,
+             n_inner, n_cols, 1, 0, 0, temperature, ignore_index),
             {"BLOCK_V": cfg.block_v, "HAS_GRAD_LOGP": grad_logp is not None,
              "HAS_GRAD_ENTROPY": grad_entropy is not None, "HAS_SCALE": grad_scale is not None,
              "WINDOWED": False},

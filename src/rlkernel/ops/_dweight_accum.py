@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel.ops._linear_engine import scaled
+from rlkernel.ops._linear_grads import scaled
 
 # Slab of the in-place cast (see _cast_into_own_storage): its temporary for slab 0 is this large.
 CAST_SLAB_BYTES = 64 << 20

@@ -1,6 +1,8 @@
 """The GPU linear path: hidden states → log-probs / entropy / token-level loss, chunk by chunk.
 
-Two autograd Functions share one chunk engine (:class:`_Engine`, in :mod:`rlkernel.ops._linear_engine`):
+Two autograd Functions drive one chunk engine per call (``_linear_engine.make_engine``: cuBLAS
+chunks, the batch-invariant GEMM or the LM-head epilogue kernel behind one protocol,
+:class:`rlkernel.ops._linear_engine_base.ChunkEngine`):
 
     linear_token_logprobs_triton   the primitive behind ``rlkernel.linear_token_logprobs``: forward
                                    streams the rows in chunks (1 GEMM); backward recomputes each
@@ -11,8 +13,10 @@ Two autograd Functions share one chunk engine (:class:`_Engine`, in :mod:`rlkern
 
 This module keeps the final dweight cast, both Functions and their entry points, which read the
 options (``linear_chunk_bytes``, ``linear_grad_bytes``, ``linear_logits_dtype``,
-``linear_dweight_accum``) once per call into an ``EngineSettings``;
-:mod:`rlkernel.ops._linear_engine` holds the chunk rules, the chunk loop state and its helpers.
+``linear_dweight_accum``, ``linear_head_gemm``) once per call into an ``EngineSettings``;
+:mod:`rlkernel.ops._linear_engine` holds the chunk rules and the back-end choice, its back ends
+the chunk loop state (``_linear_engine_base``, ``_linear_stored_logits``, ``_linear_epilogue``);
+``_linear_rows`` the compaction and hidden-row helpers, ``_linear_grads`` the gradient ones.
 
 Rows go in *groups* of ``G`` rows, each group in *chunks* of ``C`` rows (G a multiple of C). The
 group's hidden rows are staged into a fixed ``[G, H]`` buffer; then, per chunk:
@@ -37,7 +41,7 @@ of it per group and no final cast — and the memory is never more than the grou
 (``N·V·2 + V·H·2 ≤ G·V·2 + V·H·4``). The primitive runs the two GEMMs at the end of its backward;
 the fused loss keeps the bf16 gradient rows (and the staged hidden rows) from its forward to its
 backward, which runs them with the upstream scalar ``g`` known: ``g`` scales the ``[N, H]`` hidden
-rows before the dweight GEMM and dhidden/dbias after theirs (``_linear_engine.whole_batch_grads``).
+rows before the dweight GEMM and dhidden/dbias after theirs (``_linear_grads.whole_batch_grads``).
 Both GEMMs take the real rows only (the chunks' pad rows have zero gradient).
 
 Why two levels. The logits chunk C bounds the fp32 logits buffer and fixes the bits of every row
@@ -48,14 +52,11 @@ capped at ``max(1024, H)`` rows (``grad_rows_for``): a group is never larger tha
 gradient itself (at H = 1024 the 4096 rows of the byte budget would hold 1.2 GB of gradient rows
 next to a 0.3 GB weight gradient: a trainer's peak).
 
-Numbers for the design (H100, bf16, N = 8192, H = 4096, V = 151,936): each GEMM is 2·N·H·V =
-10.2 TFLOP ≈ 13.6 ms at ~750 TFLOP/s; logits are N·V = 1.25 G values (2.5 GB bf16, 5 GB fp32), and
-the log-softmax kernels stream them at ~3 TB/s (forward 0.8 ms bf16 / ~1.7 ms fp32, backward
-~1.7–2.5 ms). The path is GEMM-bound: the target is the 3 GEMMs (~41 ms) plus a few ms of streaming
-and dweight accumulation. The primitive needs a 4th GEMM because its backward starts only when
-autograd hands it the upstream gradients, when the chunk logits are gone; the fused loss keeps 3.
-``rlkernel bench linear`` times the logits dtype and the accumulation mode (opt-in ``--impl``
-variants); C and G were swept on an H100 (benchmarks/results/gpu_check_linear_h100_2026-11-24.log).
+Cost (H100, bf16, N = 8192, H = 4096, V = 151,936): GEMM-bound, each GEMM 2·N·H·V = 10.2 TFLOP
+≈ 13.6 ms; the primitive needs a 4th GEMM because its backward starts only when autograd hands it
+the upstream gradients, when the chunk logits are gone; the fused loss keeps 3
+(docs/guides/linear-path.md). C and G were swept on an H100
+(benchmarks/results/gpu_check_linear_h100_2026-11-24.log).
 
 Chunk rule (row invariance). cuBLAS picks its algorithm from the problem shape and pointer
 alignment, and different algorithms round differently, so a row's logits would change bits with
@@ -70,11 +71,12 @@ staging also zeroes ignored rows, so garbage (NaN) hidden states at ignored posi
 neither dweight nor dbias (as in the reference).
 
 Padding compaction (both Functions; ``compact=True``, the default). Rows with ``ignore_index`` ids
-are not staged: the active rows are gathered (``index_select``) into the staging buffer, packed,
-so every GEMM runs over active rows only, and the results are scattered back (``index_copy``;
-ignored rows: logp = entropy = 0, dhidden rows exactly 0, nothing in dweight/dbias). One host sync
-per call (``nonzero``: the active count sizes the host loop); none, and no compaction, inside
-CUDA-graph capture (``_linear_engine._active_rows``). The fused loss's ``coef_fn`` then gets,
+are not staged: the active rows are gathered (``kernels.stage_rows``) into the staging buffer,
+packed, so every GEMM runs over active rows only, and the results are scattered back
+(``index_copy``; ignored rows: logp = entropy = 0, dhidden rows exactly 0, nothing in
+dweight/dbias). One launch and one host sync per call (``kernels.ids.active_rows``: the active
+count sizes the host loop); none, and no compaction, inside CUDA-graph capture
+(``_linear_rows.active_rows``). The fused loss's ``coef_fn`` then gets,
 instead of a contiguous ``slice``, the int64 flat positions of the chunk's rows (increasing).
 A compacted row sits at another position of its chunk than uncompacted: its logits keep their
 bits with the invariant GEMM, and with cuBLAS as long as it computes every row of a fixed-shape
@@ -93,26 +95,11 @@ output dtype, so each row's logits, and then its log-probs from the same log-sof
 any M, so a chunk's GEMM covers its real rows only (the pad rows are ignored and never read).
 Backward as above (cuBLAS, at the logits the forward used).
 
-Memory model of the cuBLAS chunks (b = 4 for fp32 chunk logits, 2 for bf16; the epilogue kernel of
-``kernels/linear_head.py`` keeps no chunk logits: docs/guides/linear-path.md):
-
-    chunk/group     C·V·b fp32 logits (none with bf16 logits: they live in the gradient buffer)
-                    + G·V·2 gradient + G·H·2 staged hidden
-    dweight         V·H·4 fp32 accumulator (``dweight_accum="fp32"``, two allocations: see
-                    ``ops._dweight_accum``), cast to the weight's dtype *into the accumulator's own
-                    bytes* at the end, so that no second V·H buffer exists at once and the half that
-                    the gradient does not use is freed; or V·H·2 accumulated in the weight's dtype
-                    (``"weight"``: one bf16 rounding per group, half the memory and traffic)
-    dhidden         N·H·2 (an output)
-
-At V = 151,936, H = 4096 the fp32 accumulator alone is 2.49 GB, so peak extra memory with fp32
-accumulation is ~2.5 GB + ~1.3 GB of chunk buffers (defaults), flat in N. The ≤ 1.5 GB budget
-holds for a frozen weight, or with ``dweight_accum="weight"`` and smaller C/G; it cannot hold with
-an fp32 V·H accumulator. The fp32-accumulated dweight returned is exactly the size of a V·H
-gradient in the weight's dtype (the accumulator's first allocation; the second is freed at the cast).
-
-Whole batch: the gradient rows N·V·2 (1.87 GB at 6,144 rows) instead of the accumulator, plus the
-V·H dweight output in the weight's dtype; the fp32 chunk logits exist during the forward loop only.
+Memory (docs/guides/linear-path.md, Memory model): C·V·4 fp32 chunk logits (cuBLAS chunks with
+fp32 logits; the epilogue kernel keeps none), G·V·2 gradient and G·H·2 staged rows, the V·H dweight
+accumulator (fp32, two allocations cast into their own bytes at the end: ``ops._dweight_accum``;
+``dweight_accum="weight"``: V·H·2 in the weight's dtype); a whole batch holds its N'·V·2 gradient
+rows instead of the accumulator. Flat in N, but for the dhidden output (N·H·2).
 
 Upstream scale of the fused loss. The forward computes gradients for upstream gradient 1; backward
 multiplies by the upstream scalar ``g`` without a host sync (whole batch: see above). For
@@ -150,16 +137,10 @@ from rlkernel._autocast import without_autocast
 from rlkernel._options import DweightAccum, LogitsDtype, current_options
 from rlkernel.ops import _autograd as autograd_state
 from rlkernel.ops._dweight_accum import DweightAccumulator
-from rlkernel.ops._linear_engine import (
-    EngineSettings,
-    _active_rows,
-    _Engine,
-    _padded,
-    _scatter,
-    hidden_rows,
-    scaled,
-    whole_batch_grads,
-)
+from rlkernel.ops._linear_engine import EngineSettings, make_engine
+from rlkernel.ops._linear_engine_base import ChunkEngine
+from rlkernel.ops._linear_grads import scaled, whole_batch_grads
+from rlkernel.ops._linear_rows import active_rows, hidden_rows, scatter_rows, strided_rows
 
 # coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy); ``rows`` is a ``slice`` of the flat
 # tokens, or (padding compaction) an int64 tensor of their flat positions (see fused_linear_token_loss).
@@ -169,14 +150,29 @@ CoefFn = Callable[
 ]
 
 
-def _grad_buffers(eng: _Engine, bias, need_h, need_w, need_b):
+def _grad_buffers(eng: ChunkEngine, bias, need_h, need_w, need_b):
     """The grouped loop's dhidden, dweight accumulator and fp32 dbias (None where not needed).
     Compacted: the ignored rows are never projected, their dhidden rows stay exactly 0."""
-    h = eng.h
-    dh = (torch.zeros_like(h) if eng.idx is not None else torch.empty_like(h)) if need_h else None
-    dw = DweightAccumulator(eng.w, eng.dweight_accum) if need_w else None
+    h = eng.hidden
+    dh = (torch.zeros_like(h) if eng.row_index is not None else torch.empty_like(h)) if need_h else None
+    dw = DweightAccumulator(eng.weight, eng.dweight_accum) if need_w else None
     db = torch.zeros(bias.shape, dtype=torch.float32, device=h.device) if need_b else None
     return dh, dw, db
+
+
+def _row_vectors(rows: int, count: int, device: torch.device) -> list[torch.Tensor | None]:
+    """``count`` fp32 ``[rows]`` vectors, then None up to three. Separate allocations, not views of
+    one: they are the Functions' outputs, which a caller may modify in place."""
+    return [torch.empty(rows, dtype=torch.float32, device=device) if i < count else None for i in range(3)]
+
+
+def _engine_rows(g: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor | None:
+    """An upstream gradient ``[...]`` as contiguous fp32 ``[n]`` in the engine's row order (the
+    active rows, when compacted): what the gradient kernels read, one slice per group."""
+    if g is None:
+        return None
+    g = g.reshape(-1).to(torch.float32)
+    return g.contiguous() if idx is None else g.index_select(0, idx)
 
 
 # -------------------------------------------------------------------------------------- primitive
@@ -185,28 +181,36 @@ class _LinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, return_entropy, settings):
-        idx = _active_rows(ids, ignore_index) if settings.compact else None
-        hr = hidden_rows(hidden, idx)
-        eng = _Engine(
+        idx, hidx = active_rows(ids, ignore_index, strided_rows(hidden)) if settings.compact else (None, None)
+        hr = hidden_rows(hidden, idx, hidx)
+        eng = make_engine(
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, hidden_index=hr.index
         )
         dev = hidden.device
-        # Per-row results in the engine's row order (the active rows only, when compacted).
-        logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
-        lse = torch.empty(eng.n, dtype=torch.float32, device=dev)
-        entropy = torch.empty(eng.n if return_entropy else 0, dtype=torch.float32, device=dev)
+        # Per-row results in the engine's row order (the active rows only, when compacted): one
+        # group's own outputs (no copies), else buffers made after the first group's launch.
+        logp = lse = entropy = None
         for rows in eng.groups():
             n, _ = eng.stage(rows)
             lp, en, ls = eng.group_stats(n, return_entropy)
+            if n == eng.rows:
+                logp, lse, entropy = lp, ls, en
+                continue
+            if logp is None:
+                logp, lse, entropy = _row_vectors(eng.rows, 2 + return_entropy, dev)
             logp[rows], lse[rows] = lp, ls
             if en is not None:
                 entropy[rows] = en
-        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, idx)
+        if logp is None:  # no rows
+            logp, lse, entropy = _row_vectors(0, 3, dev)
+        if entropy is None:
+            entropy = torch.empty(0, dtype=torch.float32, device=dev)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, idx, hr.index)
         ctx.args = (temperature, ignore_index, return_entropy, settings)
         ctx.set_materialize_grads(False)
         if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
-            logp = _scatter(logp, idx, ids.numel())
-            entropy = _scatter(entropy, idx, ids.numel()) if return_entropy else entropy
+            logp = scatter_rows(logp, idx, ids.numel())
+            entropy = scatter_rows(entropy, idx, ids.numel()) if return_entropy else entropy
         if not return_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -214,7 +218,7 @@ class _LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, ids, lse, entropy, idx = ctx.saved_tensors
+        hidden, weight, bias, ids, lse, entropy, idx, hidx = ctx.saved_tensors
         temperature, ignore_index, return_entropy, settings = ctx.args
         none = (None,) * 8
         if not return_entropy:
@@ -222,32 +226,29 @@ class _LinearLogprobsFunction(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
             return none
-        hr = hidden_rows(hidden, idx)
-        eng = _Engine(
+        hr = hidden_rows(hidden, idx, hidx)
+        eng = make_engine(
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
             hidden_index=hr.index,
         )  # fmt: skip
-        gl = None if g_logp is None else g_logp.reshape(-1).to(torch.float32)
-        ge = None if g_ent is None else g_ent.reshape(-1).to(torch.float32)
-        if idx is not None:  # the active rows' upstream gradients, in the engine's order
-            gl = None if gl is None else gl.index_select(0, idx)
-            ge = None if ge is None else ge.index_select(0, idx)
+        gl, ge = _engine_rows(g_logp, idx), _engine_rows(g_ent, idx)
         # The grouped loop accumulates into these; a whole batch makes them at the end.
-        dh, dw, db = (None,) * 3 if eng.whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
+        whole = eng.whole_batch
+        dh, dw, db = (None,) * 3 if whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
         for rows in eng.groups():
             n, m = eng.stage(rows)
             eng.group_logits_grad(
                 n, lse[rows], entropy[rows] if ge is not None else None,
                 None if gl is None else gl[rows], None if ge is None else ge[rows],
             )  # fmt: skip
-            if eng.whole:
+            if whole:
                 dh, dw, db = whole_batch_grads(
                     eng.whole_buffers(), weight, hr.rows.shape[0], need_h, need_w, need_b
                 )
             else:
                 eng.group_grads(rows, n, m, dh, dw, db)
-        grouped = not eng.whole
-        if dw is not None and grouped and not eng.dw_started:
+        grouped = not whole
+        if dw is not None and grouped and not eng.dweight_started:
             dw.zero_()
         del eng
         if dw is not None and grouped:
@@ -285,9 +286,9 @@ def _settings(
 
 def _flatten(hidden, token_ids):
     """``(hidden, flat int64 ids)``: hidden as ``[N, H]``, or 3-D as given — the Functions read a 3-D
-    hidden's rows through ``_linear_engine.hidden_rows`` (in place for a slice of longer sequences,
+    hidden's rows through ``_linear_rows.hidden_rows`` (in place for a slice of longer sequences,
     which a reshape here would copy)."""
-    ids = token_ids.reshape(-1).long()
+    ids = token_ids.reshape(-1).long().contiguous()  # the staging and compaction kernels read it flat
     if hidden.dim() == 3:
         return hidden, ids
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
@@ -378,52 +379,67 @@ def linear_token_logprobs_triton(
 
 
 # ------------------------------------------------------------------------------------- fused loss
+def _fused_outputs(eng: ChunkEngine, bias, with_entropy: bool, need_h, need_w, need_b):
+    """The fused loss's fp32 per-row logp and entropy (None without) ``[rows]``, its 0-dim fp32 loss
+    accumulator (zero) and, for the grouped loop, its gradient buffers (:func:`_grad_buffers`).
+    Made after the first chunk's statistics launch, so that their host time overlaps that GEMM
+    instead of delaying its start (an isolated call's GPU waits for the host until then)."""
+    dev = eng.hidden.device
+    logp, entropy, _ = _row_vectors(eng.rows, 1 + with_entropy, dev)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    grads = (None,) * 3 if eng.whole_batch else _grad_buffers(eng, bias, need_h, need_w, need_b)
+    return (logp, entropy, loss, *grads)
+
+
 class _FusedLinearLossFunction(torch.autograd.Function):
     """loss = Σ_chunks coef_fn(...)[0]; gradients computed in forward for upstream 1 (3 GEMMs)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, settings):
-        idx = _active_rows(ids, ignore_index) if settings.compact else None
+        idx, hidx = active_rows(ids, ignore_index, strided_rows(hidden)) if settings.compact else (None, None)
         # Gradients only where autograd will ask for them (none under torch.no_grad(): 1 GEMM).
         grad_on = settings.grad_enabled
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
         need_b = grad_on and bias is not None and bias.requires_grad
         any_grad = need_h or need_w or need_b
-        hr = hidden_rows(hidden, idx)
-        eng = _Engine(
+        needs = (need_h, need_w, need_b)
+        hr = hidden_rows(hidden, idx, hidx)
+        eng = make_engine(
             hr.rows, weight, bias, ids, temperature, ignore_index, settings, idx, need_dweight=need_w,
             dhidden_only=any_grad and not need_w, hidden_index=hr.index,
         )  # fmt: skip
-        dev = hidden.device
-        # Per-row results in the engine's row order (the active rows only, when compacted).
-        logp = torch.empty(eng.n, dtype=torch.float32, device=dev)
-        entropy = torch.empty(eng.n, dtype=torch.float32, device=dev) if with_entropy else None
-        loss = torch.zeros((), dtype=torch.float32, device=dev)
         ctx.whole = None  # whole batch: the gradient rows, kept for the backward's two GEMMs
-        dh, dw, db = (None,) * 3 if eng.whole else _grad_buffers(eng, bias, need_h, need_w, need_b)
+        whole = eng.whole_batch
+        # The per-row results (in the engine's row order: the active rows only, when compacted), the
+        # loss and the grouped loop's gradient buffers are made after the first chunk's launch.
+        logp = entropy = loss = dh = dw = db = None
         for rows in eng.groups():
             n, m = eng.stage(rows)
             for k, cnt in eng.chunks(n):
-                sl, z, lp, en, ls = eng.forward_chunk(k, cnt, with_entropy, keep_logits=any_grad)
-                start = rows.start + sl.start
+                chunk = eng.forward_chunk(k, cnt, with_entropy, keep_logits=any_grad)
+                if loss is None:
+                    logp, entropy, loss, dh, dw, db = _fused_outputs(eng, bias, with_entropy, *needs)
+                start = rows.start + chunk.rows.start
                 r = slice(start, start + cnt)
-                logp[r] = lp[:cnt]
+                lp = chunk.logp[:cnt]
+                en = None if chunk.entropy is None else chunk.entropy[:cnt]
+                logp[r] = lp
                 if en is not None:
-                    entropy[r] = en[:cnt]
+                    entropy[r] = en
                 where = r if idx is None else idx[r]  # compacted: the rows' flat positions
                 with torch.enable_grad():
-                    part, g_logp, g_ent = coef_fn(where, lp[:cnt], None if en is None else en[:cnt])
+                    part, g_logp, g_ent = coef_fn(where, lp, en)
                 loss += part.detach()
-                if any_grad:  # the kernel's rows: c (cuBLAS chunk, pad rows ignored) or cnt
-                    rows_k = ls.shape[0]
-                    g_logp = _padded(None if g_logp is None else g_logp.detach(), rows_k, 0, cnt)
-                    g_ent = _padded(None if g_ent is None or en is None else g_ent.detach(), rows_k, 0, cnt)
-                    eng.chunk_grad(sl, z, ls, en, g_logp, g_ent)
-            if any_grad and eng.whole:
+                if any_grad:
+                    g_ent = None if g_ent is None else g_ent.detach()
+                    eng.chunk_grad(chunk, None if g_logp is None else g_logp.detach(), g_ent)
+            if any_grad and whole:
                 ctx.whole = eng.whole_buffers()
             elif any_grad:
                 eng.group_grads(rows, n, m, dh, dw, db)
-        if dw is not None and not eng.dw_started:
+        if loss is None:  # no rows
+            logp, entropy, loss, dh, dw, db = _fused_outputs(eng, bias, with_entropy, *needs)
+        if dw is not None and not eng.dweight_started:
             dw.zero_()
         del eng
         if ctx.whole is not None:
@@ -433,8 +449,8 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         ctx.hidden_layout = hr.layout  # dhidden rows → hidden's shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         if idx is not None:  # scattered back; the ignored rows' logp and entropy are 0
-            logp = _scatter(logp, idx, ids.numel())
-            entropy = None if entropy is None else _scatter(entropy, idx, ids.numel())
+            logp = scatter_rows(logp, idx, ids.numel())
+            entropy = None if entropy is None else scatter_rows(entropy, idx, ids.numel())
         outs = [logp] + ([entropy] if entropy is not None else [])
         ctx.mark_non_differentiable(*outs)
         return (loss, *outs)

@@ -336,7 +336,6 @@ def linear_gemm_kind(
     """The logits GEMM the chunk engine runs for these (non-invariant) inputs under ``options``:
     ``"epilogue"`` (the Triton LM-head GEMM with the log-softmax statistics in its epilogue) or
     ``"cublas"`` (cuBLAS chunks and the log-prob kernels). The engine's own rule."""
-    from rlkernel.ops._linear_engine import EngineSettings, epilogue_kernel_runs
+    from rlkernel.ops._linear_engine import EngineSettings, gemm_backend
 
-    runs = epilogue_kernel_runs(hidden, weight, bias, EngineSettings.from_options(options))
-    return "epilogue" if runs else "cublas"
+    return gemm_backend(hidden, weight, bias, EngineSettings.from_options(options)).backend

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel._token_loss_plan import TokenLossPlan, TokenLossScalars
-
-LOG_RATIO_BOUND = 20.0
-K3_LOG_RATIO_BOUND = 20.0
-K3_VALUE_BOUND = 10.0
+from rlkernel._token_loss_plan import (
+    K3_LOG_RATIO_BOUND,
+    K3_VALUE_BOUND,
+    LOG_RATIO_BOUND,
+    TokenLossPlan,
+    TokenLossScalars,
+)
 
 
 def _pass(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:

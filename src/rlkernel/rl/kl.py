@@ -38,21 +38,15 @@ Caveats:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel._token_loss_plan import K3_LOG_RATIO_BOUND, K3_VALUE_BOUND  # verl's k3 guards (Caveats)
 from rlkernel.rl.aggregate import finite_or_nan
 
-KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "k3_unclamped"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "k1+", "k3+", "k3_unclamped")
 KL_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
-
-# verl's numerical guards for k3 (see Caveats).
-K3_LOG_RATIO_BOUND = 20.0
-K3_VALUE_BOUND = 10.0
 
 
 def canonical_kl_estimator(name: object, arg: str = "estimator") -> str:

@@ -62,12 +62,12 @@ from dataclasses import dataclass
 
 import torch
 
+from rlkernel._token_loss_plan import LOG_RATIO_BOUND  # |logp − old_logp| clamp of ppo/cispo/sapo/dppo
 from rlkernel.rl import covariance
 from rlkernel.rl.aggregate import seq_count, seq_sum
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.rollout import RolloutWeights
 
-LOG_RATIO_BOUND = 20.0  # |logp − old_logp| clamp of ppo/cispo/sapo/dppo (verl's stability guard)
 GSPO_LOG_RATIO_MAX = 10.0  # upper clamp of log s in gspo/gspo_token (verl)
 # TRL's VESPO guards: log w clamped to [log 1e-8, 20] (also each log rollout weight), λ ≥ 1e-4.
 VESPO_LOG_W_MIN = math.log(1e-8)

@@ -1,10 +1,14 @@
-"""Coefficient functions for :func:`rlkernel.ops._linear_function.fused_linear_token_loss`.
+"""Coefficient functions for the fused hidden-state loss engine in tests
+(:func:`rlkernel.ops._linear_function.fused_linear_token_loss`).
 
 The fused engine asks, once per chunk of rows, for the chunk's loss contribution and the per-token
 coefficients ``∂loss/∂logp`` (and ``∂loss/∂entropy``). :func:`autograd_coef_fn` derives them from
 any token-level loss written in plain PyTorch, by autograd on the chunk's detached log-probs: the
-readable (and test) way to drive the engine. ``rlkernel.rl.token_loss`` provides the closed-form
-coefficients of the RL losses, which skip the small autograd graph per chunk.
+readable way to drive the engine in tests. ``rlkernel.rl.token_loss`` provides the closed-form
+coefficients of the RL losses that the library itself uses.
+
+Importable as ``_linear_helpers``: pytest puts ``tests/`` on ``sys.path`` (``tests`` has no
+``__init__.py``), so ``tests/ops`` and ``tests/gpu`` share it.
 
 Caveats:
     * The loss must be a sum over tokens of terms that each depend on one token's logp/entropy
@@ -17,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from rlkernel._token_loss_plan import K3_LOG_RATIO_BOUND, K3_VALUE_BOUND, LOG_RATIO_BOUND
 
 ChunkLoss = Callable[["slice | torch.Tensor", torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -70,13 +76,13 @@ def ppo_kl_chunk_loss(
     def chunk_loss(rows: slice, logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
         m = m_all[rows]
         a = advantages.reshape(-1)[rows].to(torch.float32)
-        ratio = torch.exp((logp - old_logp.reshape(-1)[rows]).clamp(-20.0, 20.0))
+        ratio = torch.exp((logp - old_logp.reshape(-1)[rows]).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         per = torch.maximum(-a * ratio, -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
         if dual_clip is not None:
             per = torch.where(a < 0, torch.minimum(per, -dual_clip * a), per)
         if kl_coef:
-            neg = (ref_logp.reshape(-1)[rows] - logp).clamp(-20.0, 20.0)
-            per = per + kl_coef * (torch.expm1(neg) - neg).clamp(-10.0, 10.0)
+            neg = (ref_logp.reshape(-1)[rows] - logp).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+            per = per + kl_coef * (torch.expm1(neg) - neg).clamp(-K3_VALUE_BOUND, K3_VALUE_BOUND)
         if entropy_coef and entropy is not None:
             per = per - entropy_coef * entropy
         return (per * m).sum() / den
