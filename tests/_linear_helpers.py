@@ -23,12 +23,14 @@ from collections.abc import Callable
 import torch
 
 from rlkernel._token_loss_plan import K3_LOG_RATIO_BOUND, K3_VALUE_BOUND, LOG_RATIO_BOUND
+from rlkernel.ops.token_loss import TokenLossTerms
 
 ChunkLoss = Callable[["slice | torch.Tensor", torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def autograd_coef_fn(chunk_loss: ChunkLoss):
-    """A ``coef_fn`` from ``chunk_loss(rows, logp, entropy) -> 0-dim`` (the chunk's share of the loss).
+    """A ``coef_fn`` (``rlkernel.ops.token_loss.CoefFn``) from ``chunk_loss(rows, logp, entropy) ->
+    0-dim`` (the chunk's share of the loss).
 
     ``logp`` and ``entropy`` (None unless the engine computes it) are fp32 ``[n]`` tensors of the
     flat token positions ``rows`` (a ``slice``, or an int64 index tensor when the engine compacts
@@ -45,7 +47,7 @@ def autograd_coef_fn(chunk_loss: ChunkLoss):
             grads = torch.autograd.grad(part, leaves, allow_unused=True)
         g_logp = grads[0] if grads[0] is not None else torch.zeros_like(lp)
         g_ent = None if ent is None else grads[1]
-        return part.detach(), g_logp.detach(), None if g_ent is None else g_ent.detach()
+        return TokenLossTerms(part.detach(), g_logp.detach(), None if g_ent is None else g_ent.detach())
 
     return coef_fn
 

@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 REFERENCE = re.compile(r"scripts/([A-Za-z0-9_]+\.(?:py|sh))")
 # (file, script) pairs in code another change owns; the test fails when one is gone (fix, then delete).
-KNOWN_STALE: set[tuple[str, str]] = {
-}
+KNOWN_STALE: set[tuple[str, str]] = set()
 
 
 def _sources() -> list[Path]:

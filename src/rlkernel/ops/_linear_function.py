@@ -129,8 +129,6 @@ Caveats:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from rlkernel._autocast import without_autocast
@@ -141,13 +139,7 @@ from rlkernel.ops._linear_engine import EngineSettings, make_engine
 from rlkernel.ops._linear_engine_base import ChunkEngine
 from rlkernel.ops._linear_grads import scaled, whole_batch_grads
 from rlkernel.ops._linear_rows import active_rows, hidden_rows, scatter_rows, strided_rows
-
-# coef_fn(rows, logp, entropy) -> (loss_part, g_logp, g_entropy); ``rows`` is a ``slice`` of the flat
-# tokens, or (padding compaction) an int64 tensor of their flat positions (see fused_linear_token_loss).
-CoefFn = Callable[
-    ["slice | torch.Tensor", torch.Tensor, "torch.Tensor | None"],
-    "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]",
-]
+from rlkernel.ops.token_loss import CoefFn
 
 
 def _grad_buffers(eng: ChunkEngine, bias, need_h, need_w, need_b):

@@ -278,7 +278,7 @@ class TokenLossFunction(torch.autograd.Function):
         ids = source.ids.view(x.shape[:-1])
         want_entropy = source.want_entropy
         logp, entropy, lse = _fwd_op._init_fn(x, ids, temperature, source.ignore_index, want_entropy)
-        terms = source.terms(logp, entropy if want_entropy else None)
+        terms = source.terms(slice(0, logp.numel()), logp, entropy if want_entropy else None)
         ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
         ctx.overwritten = False  # set once a backward has written the gradient into the logits
         ctx.window = window

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -28,9 +29,9 @@ from rlkernel._token_loss_plan import (  # noqa: F401 - re-exported: the plan's 
 from rlkernel.reference import token_loss as ref_impl
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenLossTerms:
-    """What :func:`token_loss` returns for a row range.
+class TokenLossTerms(NamedTuple):
+    """What :func:`token_loss` returns for a row range, and what every coefficient callback
+    (:data:`CoefFn`) returns: a named tuple, so ``loss, g_logp, g_entropy = terms`` works too.
 
     Attributes:
         loss: 0-dim fp32, Σ ℓ_t over the range (fixed-order sum of the kernel's block partials).
@@ -41,6 +42,14 @@ class TokenLossTerms:
     loss: torch.Tensor
     g_logp: torch.Tensor
     g_entropy: torch.Tensor | None
+
+
+# The one coefficient protocol of the fused paths: ``coef_fn(rows, logp, entropy) -> TokenLossTerms``
+# gives the loss part and dL/dlogp, dL/dH of the tokens ``rows`` (a ``slice`` of the flat tokens,
+# or an int64 tensor of their flat positions) from their fp32 log-probs and entropies (None when the
+# loss reads none). The logits paths call it once over every token (``slice(0, N)``); the hidden
+# path's chunk engine once per chunk (``ops._linear_function.fused_linear_token_loss``).
+CoefFn = Callable[["slice | torch.Tensor", torch.Tensor, "torch.Tensor | None"], TokenLossTerms]
 
 
 def masked_ids(
@@ -126,10 +135,8 @@ def as_coef_fn(plan: TokenLossPlan):
     def coef_fn(rows: slice | torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor | None):
         if isinstance(rows, slice):
             start, stop, _ = rows.indices(plan.n_tokens)
-            terms = token_loss(plan, logp, entropy, start=start, stop=stop)
-        else:
-            terms = token_loss(plan.take(rows), logp, entropy)
-        return terms.loss, terms.g_logp, terms.g_entropy
+            return token_loss(plan, logp, entropy, start=start, stop=stop)
+        return token_loss(plan.take(rows), logp, entropy)
 
     return coef_fn
 
@@ -137,31 +144,21 @@ def as_coef_fn(plan: TokenLossPlan):
 @dataclasses.dataclass(frozen=True)
 class LossCoefficients:
     """What the fused logits path (``rlkernel.ops._logprobs_function.TokenLossFunction``) needs of a
-    loss: the ids to score and a function from the per-token statistics to the loss and its
-    per-token coefficients. Two sources build one: a token-level plan (:func:`plan_coefficients`,
-    one token-loss launch) and any loss on ``[B, T]`` differentiated by autograd
-    (``rlkernel.rl.fused``: the sequence-level objectives).
+    loss: the ids to score and its coefficient callback (:data:`CoefFn`, the same protocol as the
+    hidden path's, called once over every token). Sources: a token-level plan
+    (:func:`plan_coefficients`, one token-loss launch), the closed-form sequence objectives and any
+    loss on ``[B, T]`` differentiated by autograd (``rlkernel.rl.fused``).
 
     Attributes:
         ids: int64 ``[...]`` the token shape, ``ignore_index`` at masked positions.
         ignore_index: the id of positions that are not scored.
         want_entropy: whether ``terms`` reads the entropy (the forward computes it only then).
-        terms: ``terms(logp, entropy) -> TokenLossTerms`` over all tokens, ``logp``/``entropy``
-            fp32 of the token shape (``entropy`` None without ``want_entropy``); called once per
-            forward, with gradient mode as the caller's.
+        terms: a :data:`CoefFn`, called once per forward as ``terms(slice(0, N), logp, entropy)``
+            with ``logp``/``entropy`` fp32 of the token shape (``entropy`` None without
+            ``want_entropy``), with gradient mode as the caller's.
     """
 
     ids: torch.Tensor
     ignore_index: int
     want_entropy: bool
-    terms: Callable[[torch.Tensor, torch.Tensor | None], TokenLossTerms]
-
-
-def plan_coefficients(plan: TokenLossPlan, backend: str = "triton") -> LossCoefficients:
-    """:class:`LossCoefficients` of a token-level plan: one :func:`token_loss` launch."""
-    return LossCoefficients(
-        ids=plan.ids,
-        ignore_index=plan.ignore_index,
-        want_entropy=plan.want_entropy,
-        terms=lambda logp, entropy: token_loss(plan, logp, entropy, backend=backend),
-    )
+    terms: CoefFn

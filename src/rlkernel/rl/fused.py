@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import torch
 
@@ -323,7 +322,7 @@ def _logits_token_host(route: Route, call: _Call) -> PolicyLossOutput:
             loss, logp, entropy = fn.token_loss_grad_in_forward_triton(logits, plan, temperature=temperature)
             return _output(loss, logp, entropy if want_entropy else None, batch)
 
-        def terms(logp, entropy):
+        def terms(rows, logp, entropy):  # rows: every token (ops.token_loss.CoefFn)
             # Built here, after the log-prob kernel was queued: the plan's ~20 small launches of
             # host time overlap that kernel instead of delaying it.
             plan = token_loss.plan_from_batch(batch, masked)
@@ -357,7 +356,9 @@ def _logits_sequence(route: Route, call: _Call) -> PolicyLossOutput:
     masked = _masked(call)
     batch = call.batch
     want_entropy = batch.cfg.entropy_coef != 0
-    terms = functools.partial(seq_token_loss.seq_terms, batch, masked)
+    def terms(rows, logp, entropy):  # rows: every token (ops.token_loss.CoefFn)
+        return seq_token_loss.seq_terms(batch, masked, logp, entropy)
+
     source = LossCoefficients(masked[0].reshape(-1), IGNORE_INDEX, want_entropy, terms)
     with _id_check(call, route, masked[1]):
         loss, logp, entropy = fn.token_loss_triton(
@@ -380,7 +381,7 @@ def _logits_autograd(route: Route, call: _Call) -> PolicyLossOutput:
     composed = []  # the algebra's output: its metrics are the ones of the loss's own run (clip_cov's
     # random token draw, say, is not drawn again for them)
 
-    def terms(logp, entropy):
+    def terms(rows, logp, entropy):  # rows: every token (ops.token_loss.CoefFn)
         with torch.enable_grad():
             stats = [logp.detach().requires_grad_()]
             if want_entropy:
