@@ -188,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
         out = args.out
         if out is None:
             # A smoke run measures nothing: it never goes to the committed GPU results by default.
-            out = Path(tempfile.mkdtemp(prefix=f"rlkernel-bench-{suite.name}-smoke-")) if args.smoke else DEFAULT_OUT
+            out = DEFAULT_OUT
+            if args.smoke:
+                out = Path(tempfile.mkdtemp(prefix=f"rlkernel-bench-{suite.name}-smoke-"))
         rows, meta = harness.run_suite(suite, options)
     except (harness.BenchError, FileNotFoundError, ValueError) as exc:
         print(f"rlkernel bench: error: {exc}", file=sys.stderr)
