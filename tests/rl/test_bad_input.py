@@ -312,7 +312,7 @@ FUSED_CASES = [
     (dict(logits=_f(B, T, V, device=META)), ValueError, "token_ids must be on meta"),
     (dict(logits=_f(B, T, V), temperature=0.0), ValueError, "temperature"),
     (dict(logits=_f(B, T, V), temperature=1e-40), ValueError, "temperature must be at least 1.17549e-38"),
-    (dict(hidden=_f(B, T, 5), weight=_f(V, 5), temperature=1e-40), ValueError, "temperature must be at least"),
+    (dict(hidden=_f(B, T, 5), weight=_f(V, 5), temperature=1e-40), ValueError, "temperature must be at"),
     (dict(logits=_f(B, T, V), global_tokens=1e-45), ValueError, "global_tokens must be at least"),
     (dict(logits=_f(B, T, V), old_logp=_f(B, T - 1)), ValueError, "old_logp must have shape"),
     (dict(hidden=_f(B, T, 5), weight=_f(V, 6)), ValueError, r"weight must be \[V, H\]"),
