@@ -181,6 +181,11 @@ def cu_seqlens_tensor(name: str, cu: object, total: int) -> torch.Tensor:
 def cu_seqlens_shape(name: str, cu: object) -> torch.Tensor:
     """The checks of :func:`cu_seqlens_tensor` that need no host values: an int tensor ``[S + 1]``."""
     cu = int_tensor(name, cu)
+    if cu.device.type == "meta":  # its values are read on the host: a meta tensor has none
+        raise ValueError(
+            f"{name} is on the meta device: its values are read on the host to split the packed "
+            f"sequences, so it must hold real values (CPU or the device), got {describe(cu)}"
+        )
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(
             f"{name} must be 1-D with at least one entry (cumulative lengths), got {describe(cu)}"

@@ -95,6 +95,8 @@ PACKED_CU_CASES = [
     (torch.tensor([0.0, 3.0, 6.0]), TypeError, "cu_seqlens must be an integer tensor"),
     (torch.tensor([[0, 6]]), ValueError, "cu_seqlens must be 1-D"),
     ([0, 3, 6], TypeError, "cu_seqlens must be a torch.Tensor"),
+    # issue 29: NotImplementedError from the host read of a meta tensor
+    (torch.tensor([0, 3, 6], device=META), ValueError, "cu_seqlens is on the meta device"),
 ]
 
 
@@ -102,6 +104,13 @@ PACKED_CU_CASES = [
 def test_policy_loss_bad_cu_seqlens(cu, error, match):
     with pytest.raises(error, match=match):
         rk.policy_loss(_f(6), _f(6), _f(2), torch.ones(6), rk.PolicyLossConfig(), cu_seqlens=cu)
+
+
+def test_fused_policy_loss_cu_seqlens_on_meta():
+    ids, cu = torch.zeros(6, dtype=torch.long), torch.tensor([0, 3, 6], device=META)
+    with pytest.raises(ValueError, match="cu_seqlens is on the meta device"):
+        rk.fused_policy_loss(rk.PolicyLossConfig(), logits=_f(6, 5), token_ids=ids, old_logp=_f(6),
+                             advantages=_f(2), mask=torch.ones(6), cu_seqlens=cu)  # fmt: skip
 
 
 def test_packed_advantages_shape_names_sequences():

@@ -339,6 +339,8 @@ def _resolve(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Setti
     ]
     if args.model:
         run = _RUN_GPU if device.type == "cuda" else _RUN_SMALL
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     reps = args.reps if args.reps is not None else (20 if device.type == "cuda" else 3)
 
     def pick(value, default):
@@ -351,7 +353,7 @@ def _resolve(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Setti
         decode_batch_sizes=pick(args.decode_batch_sizes, run["decode"]),
         prefill_batch_sizes=pick(args.prefill_batch_sizes, run["prefill"]),
         seed=args.seed,
-        reps=max(1, reps),
+        reps=reps,
         lm_head_dtype=torch.float32 if args.lm_head_dtype == "float32" else None,
     )
     for name in ("num_seqs", "prompt_len", "gen_len"):

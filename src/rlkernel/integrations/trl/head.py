@@ -81,6 +81,8 @@ def _logit_scale(text_config: object) -> float:
     if scaling is None:
         return 1.0
     scaling = check.real("config.logits_scaling", scaling)
+    if not (math.isfinite(scaling) and scaling > 0):  # Granite's 1 / 0 would raise ZeroDivisionError
+        raise ValueError(f"config.logits_scaling must be a finite number > 0, got {scaling}")
     # HyperCLOVA X multiplies its logits by logits_scaling; Granite and MiniCPM3 divide by it.
     return scaling if getattr(text_config, "model_type", None) == "hyperclovax" else 1.0 / scaling
 
