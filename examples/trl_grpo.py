@@ -10,7 +10,14 @@ The switch is one import; the trainer takes TRL's constructor arguments unchange
 Everything here is made in-process (nothing is downloaded): a byte-level BPE tokenizer trained on a
 few sentences, a random-init 2-layer Qwen3 (hidden 64), a toy reward (completions with many "o"s).
 The script trains with ``RLKernelGRPOTrainer``, then with TRL's own ``GRPOTrainer`` from the same
-start, and prints both runs' losses and how far apart their parameters end (float32: rounding).
+start, and prints per step what shows the policy moving: the reward, the KL to the reference model
+(it grows from 0 as the policy leaves its start) and the gradient norm; then how far apart the two
+runs' parameters end (float32: rounding). The logged loss itself is about 0 at every step, in both
+trainers: TRL's default is on-policy (the ratio exp(logp − sg[logp]) is 1 in value), so the loss is
+the token-weighted mean of −advantage (+ β·KL ≈ 0), and each prompt's group-normalized advantages
+sum to 0 (exactly 0 when the completions are equally long); its gradient is not 0.
+A few steps on this toy task move the policy (the KL) before the reward: read the reward over more
+``--steps``.
 """
 
 from __future__ import annotations
@@ -82,6 +89,17 @@ def train(trainer_cls, model_path: str, tokenizer, steps: int, output_dir: str):
     return trainer.model, history
 
 
+# What each run prints per step: (label, TRL's log key, format).
+COLUMNS = (
+    ("reward", "reward", "{:.3f}"), ("kl to ref", "kl", "{:.1e}"), ("grad_norm", "grad_norm", "{:.2f}")
+)
+
+
+def row(history: list[dict], key: str, fmt: str) -> str:
+    """One logged value per step, formatted."""
+    return " ".join(fmt.format(entry[key]) for entry in history)
+
+
 def main(steps: int = 4, compare: bool = True) -> float | None:
     """Train, print the runs, and return max |Δparameter| between rlkernel's and TRL's (or None)."""
     from trl import GRPOTrainer
@@ -96,9 +114,11 @@ def main(steps: int = 4, compare: bool = True) -> float | None:
             runs["trl"] = train(GRPOTrainer, path, tokenizer, steps, f"{tmp}/trl")
     # (CPU times would say little: the first run also pays one-time imports.)
     for name, (_, history) in runs.items():
-        losses = " ".join(f"{entry['loss']:+.5f}" for entry in history)
-        rewards = " ".join(f"{entry['reward']:.3f}" for entry in history)
-        print(f"{name:9s} loss  {losses}   reward {rewards}")
+        print(f"{name:9s} " + "   ".join(f"{label} {row(history, key, fmt)}" for label, key, fmt in COLUMNS))
+    print(
+        "(the loss is ~0 at every step in both: on-policy, the ratio is 1 in value and each prompt's "
+        "advantages sum to 0; its gradient is grad_norm)"
+    )
     if not compare:
         return None
     ours, theirs = (dict(runs[name][0].named_parameters()) for name in ("rlkernel", "trl"))

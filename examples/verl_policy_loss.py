@@ -1,7 +1,17 @@
 """rlkernel's ``rk_<mode>`` losses and fused forward next to verl's own, on the CPU (seconds).
 
-    pip install "verl==0.9.1"                 # the tested version, with its dependencies (ray, …)
-    PYTHONPATH=src python examples/verl_policy_loss.py
+    make verl-example                         # from a fresh clone: .venv with torch, transformers and
+                                              # verl 0.9.1 (no ray), then this script
+or, in an environment with rlkernel installed:
+
+    pip install --no-deps "verl==0.9.1" && pip install omegaconf codetiming
+    python examples/verl_policy_loss.py
+
+No ray, tensordict or wandb is needed: verl's losses and fused forward use only torch, transformers,
+omegaconf and codetiming, and :func:`rlkernel.integrations.verl_without_ray.import_verl` imports
+them with stand-ins for the three packages verl's ``__init__`` imports and this never calls (where
+they are installed, e.g. after ``pip install "rlkernel[verl]"``, nothing is stood in for). CI runs
+this command (tests/integrations/test_verl_forward.py).
 
 Importing ``rlkernel.integrations.verl`` registers the ``rk_*`` losses in verl's registry; in training,
 verl's workers import it through ``actor_rollout_ref.model.external_lib`` (examples/
@@ -20,11 +30,17 @@ import copy
 
 import torch
 import transformers
-from verl.models.transformers import dense_common
-from verl.trainer.ppo import core_algos
-from verl.workers.config import ActorConfig, PolicyLossConfig
 
-import rlkernel.integrations.verl as rk_verl  # registers rk_* in verl's policy-loss registry
+from rlkernel.integrations.verl_without_ray import import_verl
+
+# rlkernel.integrations.verl registers rk_* in verl's policy-loss registry when imported.
+dense_common, core_algos, verl_config, rk_verl = import_verl(
+    "verl.models.transformers.dense_common",
+    "verl.trainer.ppo.core_algos",
+    "verl.workers.config",
+    "rlkernel.integrations.verl",
+)
+ActorConfig, PolicyLossConfig = verl_config.ActorConfig, verl_config.PolicyLossConfig
 
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 

@@ -117,6 +117,13 @@ def test_consistency_json_is_a_folder(no_work, capsys, tmp_path):
     _exit_2_one_line(["consistency", "--json", str(tmp_path)], capsys, "--json", "is a folder")
 
 
+@pytest.mark.parametrize("reps", ["-5", "0"])
+def test_consistency_reps_below_one(no_work, capsys, reps):
+    """Issue 29: --reps -5 ran (as 1) and exited 0."""
+    argv = ["consistency", "--reps", reps]
+    _exit_2_one_line(argv, capsys, "rlkernel consistency: error:", "--reps must be >= 1")
+
+
 @pytest.mark.parametrize("model", ["/nonexistent/path", "{empty}", "{file}"])
 def test_consistency_model_not_a_checkpoint(no_work, capsys, tmp_path, model):
     empty = tmp_path / "empty"

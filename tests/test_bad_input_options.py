@@ -107,3 +107,87 @@ def test_options_under_torch_compile_are_guarded():
         with rk.use_options(grad_in_forward_max_vocab=5):
             assert compiled(x).tolist() == [5.0, 5.0]
     assert compiled(x).tolist() == [65536.0, 65536.0]
+
+
+def _holding(cm_factory, read):
+    """A generator that enters ``cm_factory()``, yields what ``read()`` sees inside, then holds the
+    block open across a second yield."""
+    with cm_factory():
+        yield read()
+        yield read()
+
+
+def test_use_options_blocks_ending_out_of_order():
+    """Issue 29: two generators each holding a use_options block across a yield, closed in the order
+    they were opened (out of order for the scopes) left the other block's options in force. Now: a
+    block still open keeps its own changes (not those of an enclosing block that ended), and once
+    both end the defaults are back."""
+    read = lambda: (rk.current_options().matmul_table, rk.current_options().linear_chunk_bytes)  # noqa: E731
+    a = _holding(lambda: rk.use_options(matmul_table="single"), read)
+    b = _holding(lambda: rk.use_options(linear_chunk_bytes=4096), read)
+    assert next(a) == ("single", 1280 << 20)
+    assert next(b) == ("single", 4096)  # b began inside a
+    a.close()  # a's block ends first
+    assert read() == ("tuned", 4096)  # b's change stays in force, a's is gone
+    assert next(b) == ("tuned", 4096)
+    b.close()
+    assert rk.current_options() == rk.Options()
+    # The reverse order (properly nested) is unchanged.
+    a = _holding(lambda: rk.use_options(matmul_table="single"), read)
+    b = _holding(lambda: rk.use_options(linear_chunk_bytes=4096), read)
+    next(a), next(b)
+    b.close()
+    assert read() == ("single", 1280 << 20)
+    a.close()
+    assert rk.current_options() == rk.Options()
+
+
+def test_use_options_out_of_order_under_torch_compile():
+    """The per-thread mirror compiled code reads follows the same rule."""
+    import torch
+
+    compiled = torch.compile(lambda x: x * rk.current_options().grad_in_forward_max_vocab, backend="eager")
+    x = torch.ones(1)
+    a = _holding(lambda: rk.use_options(grad_in_forward_max_vocab=3), lambda: compiled(x).item())
+    b = _holding(lambda: rk.use_options(linear_chunk_bytes=4096), lambda: compiled(x).item())
+    assert next(a) == 3.0 and next(b) == 3.0
+    a.close()
+    assert compiled(x).item() == 65536.0 and rk.current_options().linear_chunk_bytes == 4096
+    b.close()
+    assert compiled(x).item() == 65536.0 and rk.current_options() == rk.Options()
+
+
+def test_use_backend_blocks_ending_out_of_order():
+    """The same for rk.use_backend: the block still open keeps its backend."""
+    from rlkernel._dispatch import requested_backend
+
+    a = _holding(lambda: rk.use_backend("reference"), requested_backend)
+    b = _holding(lambda: rk.use_backend("triton"), requested_backend)
+    assert next(a) == "reference" and next(b) == "triton"
+    a.close()
+    assert requested_backend() == "triton" and next(b) == "triton"
+    b.close()
+    assert requested_backend() == "auto"
+
+
+def test_use_options_ended_in_another_thread_raises():
+    """A block entered in one thread and ended in another cannot restore the first thread's
+    options from there: RuntimeError (the ending thread's options are untouched)."""
+    cm = rk.use_options(matmul_table="single")
+    entered, ended = threading.Event(), threading.Event()
+    seen = []
+
+    def holder():  # enters the block in its own thread and keeps it in force there
+        cm.__enter__()
+        entered.set()
+        ended.wait(30)
+        seen.append(rk.current_options().matmul_table)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    entered.wait(30)
+    with pytest.raises(RuntimeError, match="ended in another thread or asyncio task"):
+        cm.__exit__(None, None, None)
+    ended.set()
+    t.join()
+    assert seen == ["single"] and rk.current_options() == rk.Options()

@@ -160,3 +160,36 @@ def test_short_run_reward_rises_and_writes_outputs(tmp_path, capsys):
     last = sum(s["reward_mean"] for s in steps[-k:]) / k
     assert summary["start_reward"] == pytest.approx(first) and summary["end_reward"] == pytest.approx(last)
     assert last > first + RISE_MARGIN, f"reward did not rise: {first:.3f} -> {last:.3f}"
+
+
+def test_step_line_has_an_eta():
+    """Issue 29: 400 steps ran with no idea of the time left; each line ends with an ETA at the mean
+    pace so far."""
+    from rlkernel.demo.cli import _step_line, duration, eta_seconds
+
+    rec = dict(step=10, reward_mean=0.1, exact_match=0.0, loss=0.01, clip_frac=0.0, kl=1e-3, entropy_mean=2.0,
+               max_abs_logp_diff=1e-7, elapsed_s=5.0)  # fmt: skip
+    assert eta_seconds(10, 400, 5.0) == pytest.approx(195.0)
+    assert _step_line(rec, 400, "kl_ref").endswith("5.0s  ETA 3m15s")
+    assert [duration(s) for s in (0, 59.4, 60, 3599, 3725)] == ["0s", "59s", "1m00s", "59m59s", "1h02m"]
+
+
+def test_plot_shows_loss_kl_and_entropy(tmp_path):
+    """Issue 29: the KL to the reference (climbing to 1.8) was visible only in the console; the PNG
+    has the reward on top and loss, KL and entropy panels below (a taller figure)."""
+    pytest.importorskip("matplotlib")
+    import struct
+
+    from rlkernel.demo.plot import TRAINING_PANELS, plot_reward_curve
+
+    g = torch.Generator().manual_seed(0)
+    history = [
+        dict(step=i + 1, reward_mean=float(torch.rand(1, generator=g)), exact_match=0.0, loss=0.01 * i,
+             kl=0.005 * i, entropy_mean=2.5 - 0.01 * i)
+        for i in range(30)
+    ]  # fmt: skip
+    png = plot_reward_curve(history, tmp_path / "curve.png", title="t", window=5, kl_name="kl_ref")
+    data = png.read_bytes()
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and (width, height) == (1080, 780)
+    assert [k for k, _ in TRAINING_PANELS] == ["loss", "kl", "entropy_mean"]

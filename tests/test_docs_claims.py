@@ -5,6 +5,12 @@
   default path of a small-vocabulary call with logits that require grad is that path.
 * Masked rows whose logits or hidden states hold NaN/±inf get exactly 0 gradient on every backend
   (the reference included): no page may say the reference gives NaN there.
+* Supported features (issue 29: the first files a user opens called token-sum and verl's
+  ``rollout_is_weights`` unsupported, listed 7 of the 12 verl losses, counted seven loss types and
+  four aggregations, and called the batch-invariant chain "the next milestone"): no sentence of the
+  docs, the README, the examples or a docstring may call a feature the code supports unsupported or
+  future; every list of verl ``rk_*`` losses names exactly the registered ones; a count of
+  rlkernel's loss types or aggregations is the code's.
 """
 
 from __future__ import annotations
@@ -19,6 +25,15 @@ import rlkernel as rk
 
 ROOT = Path(__file__).resolve().parents[1]
 STALE = re.compile(r"opt-in|off by default|off until", re.IGNORECASE)
+# Words that say a feature is missing or still to come.
+MISSING = re.compile(
+    r"unsupported|not supported|not in rlkernel|are refused|is refused|not yet|next milestone|"
+    r"coming soon|will be added|not implemented|planned",
+    re.IGNORECASE,
+)
+NUMBERS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen".split()
+)}  # fmt: skip
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -29,6 +44,48 @@ def _paragraphs(text: str) -> list[str]:
 
 def _sources() -> list[Path]:
     return sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "src" / "rlkernel").rglob("*.py"))
+
+
+def _user_facing() -> list[Path]:
+    """What a user reads first and what states features: the README, the docs, the examples."""
+    docs = sorted((ROOT / "docs").rglob("*.md"))
+    return [ROOT / "README.md", *docs, *sorted((ROOT / "examples").glob("*"))]
+
+
+def _sentences(text: str) -> list[str]:
+    """Sentences, bullets, table rows and comment lines' runs: a claim and its subject together."""
+    out = []
+    for para in _paragraphs(text):
+        out += [s for s in re.split(r"(?<=[.;!?])\s+(?=[A-Z`(])|\n\s*\|", para) if s.strip()]
+    return out
+
+
+def _verl_modes() -> set[str]:
+    """The ``rk_*`` names rlkernel.integrations.verl registers, read from its source (importing it
+    imports verl): ``LossMode("<verl name>", ...)`` rows of ``LOSS_MODES`` and ``BYPASS_MODE``."""
+    package = ROOT / "src" / "rlkernel" / "integrations" / "verl"
+    names = set()
+    for module in ("losses.py", "bypass.py"):
+        names |= set(re.findall(r'LossMode\(\s*"(\w+)"', (package / module).read_text()))
+    return {f"rk_{n}" for n in names}
+
+
+def _supported_features() -> dict[str, re.Pattern]:
+    """Feature -> the pattern that names it, for every feature whose support the code shows."""
+    import inspect
+
+    import rlkernel.invariant
+    from rlkernel.rl.config import AGGREGATIONS, LOSS_TYPES
+
+    features = {f"aggregation {a}": re.compile(rf"`{re.escape(a)}`|\b{re.escape(a)}\b") for a in AGGREGATIONS}
+    features |= {f"loss type {t}": re.compile(rf"`{t}`") for t in LOSS_TYPES}
+    assert "rollout_weights" in inspect.signature(rk.policy_loss).parameters
+    assert "rollout_is_weights" in (ROOT / "src/rlkernel/integrations/verl/losses.py").read_text()
+    features["verl's rollout_is_weights"] = re.compile(r"rollout_is(_weights)?\b")
+    assert callable(rlkernel.invariant.patch_hf_model)
+    features["the batch-invariant chain"] = re.compile(r"invariant (forward )?chain|patch_hf_model", re.I)
+    features |= {f"verl loss {m}": re.compile(rf"\b{m}\b") for m in _verl_modes()}
+    return features
 
 
 def test_gradient_in_forward_is_described_as_on_by_default():
@@ -116,3 +173,61 @@ def test_nonfinite_masked_rows_get_exact_zero_gradient(
     assert torch.isfinite(out.loss)
     assert torch.equal(grad[off], torch.zeros_like(grad[off]))
     assert torch.isfinite(grad[~off]).all() and bool((grad[~off] != 0).any())
+
+
+def test_no_supported_feature_is_called_missing():
+    features = _supported_features()
+    bad = []
+    for path in _user_facing():
+        for sentence in _sentences(path.read_text()):
+            if not MISSING.search(sentence):
+                continue
+            named = [f for f, pattern in features.items() if pattern.search(sentence)]
+            if named:
+                bad.append(f"{path.relative_to(ROOT)}: {named}:\n  {sentence.strip()[:300]}")
+    assert not bad, "supported features called unsupported / future:\n" + "\n".join(bad)
+
+
+def test_every_list_of_verl_losses_is_complete():
+    """A paragraph naming five or more ``rk_*`` losses lists the supported ones: all of them; no page
+    names an ``rk_*`` loss that is not registered."""
+    modes = _verl_modes()
+    assert len(modes) == 12, sorted(modes)
+    lists = 0
+    for path in _user_facing():
+        for para in _paragraphs(path.read_text()):
+            named = set(re.findall(r"\brk_[a-z_]*[a-z]\b", para)) - {"rk_verl"}
+            assert named <= modes, f"{path.relative_to(ROOT)} names unknown {sorted(named - modes)}"
+            if len(named) >= 5:
+                lists += 1
+                assert named == modes, f"{path.relative_to(ROOT)} leaves out {sorted(modes - named)}:\n{para}"
+    assert lists >= 3  # the README, the verl page, the config snippet
+
+
+def test_counts_of_loss_types_and_aggregations_are_the_codes():
+    from rlkernel.rl.config import AGGREGATIONS, LOSS_TYPES
+
+    want = {"loss types": len(LOSS_TYPES), "aggregations": len(AGGREGATIONS)}
+    found = 0
+    for path in _user_facing():
+        for sentence in _sentences(path.read_text()):
+            if re.search(r"TRL|verl|OpenRLHF|issue", sentence):
+                continue  # a count of a framework's settings, or of one issue's additions
+            counts = rf"\b({'|'.join(NUMBERS)}|\d+) (loss types|aggregations)\b"
+            for word, what in re.findall(counts, sentence):
+                found += 1
+                n = int(word) if word.isdigit() else NUMBERS[word.lower()]
+                assert n == want[what], f"{path.relative_to(ROOT)}: {word} {what}; the code has {want[what]}"
+    assert found >= 2
+
+
+def test_the_claim_checks_catch_the_stale_sentences():
+    """The sentences issue 29 found, checked by the same functions."""
+    features = _supported_features()
+    for stale in (
+        "loss_agg_mode: token-mean  # not token-sum (not in rlkernel yet)",
+        "Not with rk_*: algorithm.rollout_correction.rollout_is (rollout_is_weights are refused for now).",
+        "the batch-invariant forward chain that extends this to the whole model is the next milestone.",
+    ):
+        sentence = _sentences(stale)[-1]
+        assert MISSING.search(sentence) and any(p.search(sentence) for p in features.values()), stale

@@ -50,16 +50,24 @@ def requested_backend() -> str:
 
 @contextlib.contextmanager
 def use_backend(name: Backend) -> Iterator[None]:
-    """Run the enclosed calls with backend ``name`` (thread-local; nests; restored on exit)."""
+    """Run the enclosed calls with backend ``name`` (thread-local; nests; restored on exit).
+
+    A block that ends out of order (two generators each holding a block across a ``yield``) removes
+    its own entry, not the innermost one: the backend in force is always that of the innermost
+    block still open."""
     name = _check_backend(name, "backend")
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
+        _local.keys = []
+    key = object()  # this block's identity (the names repeat)
     stack.append(name)
+    _local.keys.append(key)
     try:
         yield
     finally:
-        stack.pop()
+        at = _local.keys.index(key)
+        del stack[at], _local.keys[at]
 
 
 def interpreter_enabled() -> bool:

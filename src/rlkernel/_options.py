@@ -148,7 +148,22 @@ class Options:
 
 DEFAULTS = Options()
 _current: contextvars.ContextVar[Options] = contextvars.ContextVar("rlkernel_options", default=DEFAULTS)
-_traced = threading.local()  # .stack: this thread's use_options scopes, for torch.compile (above)
+
+
+class _Scope:
+    """One open :func:`use_options` block: its changes, and the options in force while it is the
+    innermost open block (recomputed if an enclosing block exits first)."""
+
+    __slots__ = ("changes", "options")
+
+    def __init__(self, changes: dict[str, object], options: Options) -> None:
+        self.changes, self.options = changes, options
+
+
+# The open scopes of this context, in entry order (innermost last); _current holds the last one's
+# options (or DEFAULTS), so that current_options() stays one ContextVar read.
+_open: contextvars.ContextVar[tuple[_Scope, ...]] = contextvars.ContextVar("rlkernel_open_scopes", default=())
+_traced = threading.local()  # .stack: this thread's scopes' options, for torch.compile (above)
 
 
 def current_options() -> Options:
@@ -159,25 +174,57 @@ def current_options() -> Options:
     return _current.get()
 
 
+def _close(scope: _Scope) -> None:
+    """End ``scope``: the options in force become those of the scopes still open, applied in entry
+    order over the defaults. For nested blocks that is the value before the block (as
+    ``ContextVar.reset``). Blocks that end out of order (two generators each holding a block across
+    a ``yield``) must not leave the ended block's options in force, nor drop a block still open:
+    the scopes opened after ``scope`` are recomputed without its changes."""
+    scopes = _open.get()
+    if scope not in scopes:  # ended in another context (thread, task) than it began in
+        raise RuntimeError(
+            "a use_options block ended in another thread or asyncio task than the one it began in; "
+            "its options cannot be restored there"
+        )
+    at = scopes.index(scope)
+    rest = scopes[:at] + scopes[at + 1 :]
+    options = rest[at - 1].options if at > 0 else DEFAULTS
+    for later in rest[at:]:  # only when blocks end out of order
+        options = later.options = dataclasses.replace(options, **later.changes)
+    _open.set(rest)
+    _current.set(rest[-1].options if rest else DEFAULTS)
+    stack = getattr(_traced, "stack", None)
+    if stack is not None:  # in place: compiled code guards on this list
+        stack[:] = [s.options for s in rest]
+
+
 @contextlib.contextmanager
 def use_options(**changes: object) -> Iterator[Options]:
     """Run the enclosed code with the named options changed (the others as they are here).
+
+    Blocks nest. Blocks that end out of order (two generators each holding a block across a
+    ``yield``, one closed before the other) are handled: after any block ends, the options in force
+    are the defaults with the changes of the blocks still open applied in the order they began; so
+    a block still open keeps its own changes and loses those of a block that enclosed it and ended.
 
     Args:
         **changes: fields of :class:`Options`, e.g. ``matmul_table="single"``.
 
     Yields:
-        The :class:`Options` in force inside the block.
+        The :class:`Options` in force inside the block (as it began).
 
     Raises:
         ValueError: an unknown option name or a value outside its allowed set.
+        RuntimeError: on exit, the block ended in another thread or asyncio task than it began in.
     """
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Options)})
     if unknown:
         known = ", ".join(f.name for f in dataclasses.fields(Options))
         raise ValueError(f"unknown option(s) {unknown}; the options are: {known}")
     options = dataclasses.replace(_current.get(), **changes)
-    token = _current.set(options)
+    scope = _Scope(changes, options)
+    _open.set((*_open.get(), scope))
+    _current.set(options)
     stack = getattr(_traced, "stack", None)
     if stack is None:
         stack = _traced.stack = []
@@ -185,5 +232,4 @@ def use_options(**changes: object) -> Iterator[Options]:
     try:
         yield options
     finally:
-        stack.pop()
-        _current.reset(token)
+        _close(scope)

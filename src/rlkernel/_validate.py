@@ -181,6 +181,11 @@ def cu_seqlens_tensor(name: str, cu: object, total: int) -> torch.Tensor:
 def cu_seqlens_shape(name: str, cu: object) -> torch.Tensor:
     """The checks of :func:`cu_seqlens_tensor` that need no host values: an int tensor ``[S + 1]``."""
     cu = int_tensor(name, cu)
+    if cu.device.type == "meta":  # its values are read on the host: a meta tensor has none
+        raise ValueError(
+            f"{name} is on the meta device: its values are read on the host to split the packed "
+            f"sequences, so it must hold real values (CPU or the device), got {describe(cu)}"
+        )
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(
             f"{name} must be 1-D with at least one entry (cumulative lengths), got {describe(cu)}"
@@ -218,7 +223,8 @@ def float_like(name: str, t: object, ref_name: str, ref: torch.Tensor) -> torch.
 
 
 def normalizer(name: str, value: object, device: torch.device) -> float | torch.Tensor | None:
-    """A global normalizer: ``None``, a finite number >= 0, or a 0-dim int/float tensor.
+    """A global normalizer: ``None``, 0 or a number in float32's normal range, or a 0-dim int/float
+    tensor.
 
     0 is the count of a step that is all-masked on every rank (``global_normalizers`` returns it):
     the loss is then 0. A tensor may live on ``device`` or on the CPU (a CPU scalar never forces a
@@ -237,4 +243,7 @@ def normalizer(name: str, value: object, device: torch.device) -> float | torch.
         if value.device != device and value.device.type != "cpu":
             raise ValueError(f"{name} must be on {device} or the CPU, got {describe(value)}")
         return value
-    return nonneg_float(name, value)
+    # A number is a count: 0, or within float32's normal range (the loss is computed in float32;
+    # 1e39 would divide by inf, 1e-45 by a denormal or 0), as the config's fields are checked.
+    x = nonneg_float(name, value)
+    return x if x == 0 else fp32_float(name, x, positive=True)

@@ -5,6 +5,10 @@
   tp_group=)`` runs. It is a differentiable primitive like the others, so it lives in ``ops``
   (:mod:`rlkernel.ops.vocab_parallel`: cross-rank validation and options; its autograd Function and
   chunk math in :mod:`rlkernel.ops._vocab_parallel_function`) and is re-exported here.
+* :func:`gather_lm_head`: an FSDP2 (``DTensor``) LM head as full local tensors whose gradient is
+  averaged over the mesh and reduce-scattered back to the shards (what ``linear_token_logprobs`` and
+  ``fused_policy_loss`` do to a DTensor weight; :mod:`rlkernel.ops._dtensor_weight`), for code that
+  projects hidden states with the head's weight itself; re-exported here.
 * :func:`global_normalizers` (here): the active-token and sequence counts of a whole step (all
   micro-batches, all data-parallel ranks) in one ``all_reduce``, for ``policy_loss(...,
   global_tokens=, global_seqs=)``; also re-exported as ``rlkernel.global_normalizers``.
@@ -21,11 +25,12 @@ import torch
 import torch.distributed as dist
 
 from rlkernel import _validate as check
+from rlkernel.ops._dtensor_weight import gather_lm_head
 from rlkernel.ops._vocab_parallel_checks import check_group, collective_device
 from rlkernel.ops.vocab_parallel import vocab_parallel_linear_token_logprobs
 
 # The public API of this module (docs/api/distributed.md).
-__all__ = ["global_normalizers", "vocab_parallel_linear_token_logprobs"]
+__all__ = ["gather_lm_head", "global_normalizers", "vocab_parallel_linear_token_logprobs"]
 
 
 def global_normalizers(

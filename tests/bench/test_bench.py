@@ -8,6 +8,8 @@ import csv
 import json
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -461,3 +463,36 @@ def test_gpu_time_hides_the_host():
     kernel_ms = harness.gpu_time_ms(call, torch.device("cuda"), reps=5, warmup=1)
     isolated = harness.time_interleaved({"c": lambda i: call()}, torch.device("cuda"), rounds=1, reps=3)
     assert kernel_ms < 0.05 < 0.1 <= min(isolated["c"])
+
+
+def _fake_gpu_results(folder):
+    """A committed-looking ``logits.json`` / ``logits.csv`` of a GPU run in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"meta": {"env": {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}}, "columns": [], "rows": []}
+    (folder / "logits.json").write_text(json.dumps(meta))
+    (folder / "logits.csv").write_text("gpu results\n")
+
+
+def test_smoke_never_overwrites_measured_results(tmp_path, monkeypatch, capsys):
+    """Issue 29: ``bench <suite> --smoke`` from a checkout wrote its CPU rows over the committed
+    ``benchmarks/results/<suite>.*``. Without ``--out`` a smoke run now writes to a new temporary
+    folder; with ``--out`` naming a folder of measured results it refuses (exit 2); an earlier smoke
+    run's folder may be reused."""
+    monkeypatch.chdir(tmp_path)  # the default --out is relative: a fake checkout here
+    committed = tmp_path / cli.DEFAULT_OUT
+    _fake_gpu_results(committed)
+    fast = ["logits", "--smoke", "--rounds", "1", "--loop", "0", "--impl", "torch", "--no-plot",
+            "--workload", "logprobs_fwd", "--n", "8", "--v", "16"]  # fmt: skip
+    assert cli.main(fast) == 0
+    assert (committed / "logits.csv").read_text() == "gpu results\n"
+    wrote = capsys.readouterr().out.split("wrote ")[-1].split(", ")[0]
+    smoke_dir = Path(wrote).parent
+    assert smoke_dir.is_dir() and smoke_dir.resolve() != committed.resolve() and smoke_dir.name.startswith(
+        "rlkernel-bench-logits-smoke-"
+    )
+    assert cli.main([*fast, "--out", str(committed)]) == 2
+    err = capsys.readouterr().err
+    assert "holds the logits results of a measured run" in err and "does not overwrite them" in err
+    assert (committed / "logits.csv").read_text() == "gpu results\n"
+    assert cli.main([*fast, "--out", str(smoke_dir)]) == 0  # a smoke folder: overwritten
+    shutil.rmtree(smoke_dir)

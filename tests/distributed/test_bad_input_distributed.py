@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import rlkernel as rk
-from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
+from rlkernel.distributed import gather_lm_head, global_normalizers, vocab_parallel_linear_token_logprobs
 
-COVERED = [vocab_parallel_linear_token_logprobs, rk.global_normalizers]
+COVERED = [vocab_parallel_linear_token_logprobs, rk.global_normalizers, gather_lm_head]
 
 N, V, H = 3, 5, 4
 
@@ -72,3 +72,19 @@ def test_global_normalizers_bad_input(case):
     kwargs, error, match = GN_CASES[case]
     with pytest.raises(error, match=match):
         global_normalizers(**kwargs)
+
+
+def test_gather_lm_head_bad_input(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    w = torch.randn(V, H)
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        gather_lm_head(w.tolist())
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor .* or None"):
+        gather_lm_head(w, bias=[0.0] * V)
+    with pytest.raises(ValueError, match="dtype must be None, torch.float16 or torch.bfloat16"):
+        gather_lm_head(w, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (1,))
+    with pytest.raises(ValueError, match=r"weight is a DTensor .*Partial\(sum\) is not supported"):
+        gather_lm_head(DTensor.from_local(w, mesh, [Partial()]))

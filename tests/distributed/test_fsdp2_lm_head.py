@@ -231,3 +231,30 @@ def test_fp32_shards_with_bf16_hidden_are_cast_before_the_checks(mesh, invariant
     assert dw.grad.dtype == db.grad.dtype == torch.float32
     assert torch.equal(dw.grad.to_local(), per_call[0][0].float() + per_call[1][0].float())
     assert torch.equal(db.grad.to_local(), per_call[0][1].float() + per_call[1][1].float())
+
+
+def test_gather_lm_head_public_entry(mesh):
+    """``rlkernel.distributed.gather_lm_head`` (the entry the TRL heads use, issue 29): plain tensors
+    and None come back as the same objects; a one-rank DTensor head gives the plain values and its
+    gradient lands, as a DTensor, on the shard; a float32 DTensor with ``dtype=bf16`` is gathered in
+    bf16; a dtype other than None/fp16/bf16 raises."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from rlkernel.distributed import gather_lm_head
+
+    _, w, _ = _inputs()
+    b = torch.randn(V)
+    assert all(a is c for a, c in zip(gather_lm_head(w, b), (w, b), strict=True))
+    assert gather_lm_head(w)[1] is None
+    dw = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    db = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+    gw, gb = gather_lm_head(dw, db)
+    assert type(gw) is torch.Tensor and torch.equal(gw, w) and torch.equal(gb, b)
+    coef = torch.randn(V, H)
+    ((gw * coef).sum() + 3 * gb.sum()).backward()
+    assert isinstance(dw.grad, DTensor) and torch.equal(dw.grad.to_local(), coef)
+    assert torch.equal(db.grad.to_local(), torch.full((V,), 3.0))
+    half, _ = gather_lm_head(distribute_tensor(w, mesh, [Shard(0)]), dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, w.bfloat16())
+    with pytest.raises(ValueError, match="dtype must be None, torch.float16 or torch.bfloat16"):
+        gather_lm_head(dw, dtype=torch.float64)

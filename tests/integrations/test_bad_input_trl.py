@@ -184,6 +184,9 @@ def test_bad_arguments_raise(model_dir, head_args, error, match):
         (dict(output_router_logits=True), "router"),
         (dict(logit_scale=0.0), "logit scale"),
         (dict(logit_scale=-2.0), "logit scale"),
+        # Granite divides by logits_scaling: 0 raised ZeroDivisionError (issue 29)
+        (dict(logits_scaling=0), r"config.logits_scaling must be a finite number > 0, got 0"),
+        (dict(logits_scaling=-1.5), "config.logits_scaling must be a finite number > 0"),
     ],
 )
 def test_unsupported_models_raise(model_dir, config_change, match):

@@ -156,4 +156,10 @@ def test_example_trains_like_trl(model_dir, capsys):
     assert example.main(steps=1) <= TOL
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[:2]] == ["rlkernel", "trl"]
-    assert lines[2].startswith("max |parameter difference| after 1 steps")
+    # Issue 29: the runs printed "loss +0.00000" (correct, on-policy) and nothing that moves; now
+    # reward, KL to the reference and gradient norm per step, and a line saying why the loss is 0.
+    for line in lines[:2]:
+        assert "reward" in line and "kl to ref" in line and "grad_norm" in line and "loss" not in line
+        assert float(line.split("grad_norm")[1].split()[0]) > 0
+    assert lines[2].startswith("(the loss is ~0 at every step")
+    assert lines[3].startswith("max |parameter difference| after 1 steps")

@@ -359,6 +359,18 @@ def test_patch_allow_unpatched_leaves_them_with_a_warning(one_thread):
     assert_original(m, ids, want)
 
 
+@pytest.mark.parametrize("flag", ["False", 0, None])
+def test_patch_allow_unpatched_must_be_a_bool(one_thread, flag):
+    """Issue 29: the string "False" was read as True (and patched around a module it must not)."""
+    m = tiny_model("qwen3")
+    m.lm_head.__class__ = DoublingLinear
+    ids = token_ids(2)
+    want = logits(m, ids)
+    with pytest.raises(TypeError, match="allow_unpatched must be a bool"):
+        inv.patch_hf_model(m, allow_unpatched=flag)
+    assert_original(m, ids, want)
+
+
 def test_patch_takes_a_linear_subclass_that_keeps_the_stock_forward(one_thread):
     m = tiny_model("llama")
     m.lm_head.__class__ = TaggedLinear

@@ -90,8 +90,30 @@ def test_report_fields(report):
     assert t["prefill_patched_over_unpatched"] == pytest.approx(
         t["patched_prefill_ms"] / t["unpatched_prefill_ms"]
     )
+    assert rep["device_type"] == "cpu"
     text = cons.format_report(rep)
-    assert "PASS" in text and "packed bs=4" in text and "fused inv bs=4" in text and "speed:" in text
+    assert "PASS" in text and "packed bs=4" in text and "fused inv bs=4" in text
+    # Issue 29: a CPU speed ratio (14x one run, 0.5x the next) was printed as if it meant something.
+    speed = next(line for line in text.splitlines() if line.startswith("speed"))
+    assert speed.startswith("speed (CPU: not a measurement") and "x)" not in speed and "x;" not in speed
+    gpu = cons.format_report({**rep, "device_type": "cuda"})
+    assert "speed: prefill forward" in gpu and f"({t['prefill_patched_over_unpatched']:.2f}x)" in gpu
+
+
+def test_decode_timing_passes_the_cache_without_a_deprecation_warning():
+    """Issue 29: `past_key_values` is deprecated (transformers 5.2x: ``cache``), and the warning came
+    from our own decode-timing call; the forward's own argument name is used."""
+    import warnings
+
+    from rlkernel.invariant import scoring
+
+    model = cons.build_model("tiny", device=CPU, dtype=torch.float32, seed=0)
+    prompts = scoring.make_prompts(2, 4, model.config.vocab_size, seed=0)
+    completions = torch.randint(0, model.config.vocab_size, (2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning from our call fails the test
+        times = scoring._decode_timer(model, prompts, completions, 2, steps=2)()
+    assert len(times) == 2 and all(t > 0 for t in times)
 
 
 def test_bf16_with_fp32_lm_head_is_bitwise_consistent(capsys):

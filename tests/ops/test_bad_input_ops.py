@@ -62,6 +62,9 @@ TOKEN_LOGPROBS_CASES = {
     "temperature 0": (dict(temperature=0.0), ValueError, "temperature"),
     "temperature inf": (dict(temperature=float("inf")), ValueError, "temperature"),
     "temperature str": (dict(temperature="1"), TypeError, "temperature"),
+    # below float32's normal range (issue 29): the logits / 1e-40 overflowed to NaN / -inf
+    "temperature 1e-40": (dict(temperature=1e-40), ValueError, "temperature must be at least 1.17549e-38"),
+    "temperature 1e39": (dict(temperature=1e39), ValueError, "temperature must be at most 3.40282e.38"),
     "ignore_index float": (dict(ignore_index=1.5), TypeError, "ignore_index"),
 }
 
@@ -112,6 +115,7 @@ LINEAR_CASES = {
     ),
     "id out of range": (dict(token_ids=torch.tensor([0, 1, V + 3, 2])), ValueError, "outside"),
     "temperature nan": (dict(temperature=float("nan")), ValueError, "temperature"),
+    "temperature 1e-40": (dict(temperature=1e-40), ValueError, "temperature must be at least 1.17549e-38"),
     "tp_group not a group": (dict(tp_group="world"), TypeError, "tp_group must be a torch.distributed"),
 }
 

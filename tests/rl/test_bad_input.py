@@ -68,6 +68,10 @@ POLICY_LOSS_CASES = [
     (dict(cfg=rk.PolicyLossConfig(rollout_correction="seq_tis")), ValueError, "rollout_logp is required"),
     (dict(global_tokens=-1), ValueError, "global_tokens must be a finite number >= 0"),
     (dict(global_tokens=float("inf")), ValueError, "global_tokens"),
+    # Beyond float32 (issue 29): 1e39 divided the loss by inf (a silent 0), 1e-45 by a denormal.
+    (dict(global_tokens=1e39), ValueError, "global_tokens must be at most 3.40282e.38"),
+    (dict(global_tokens=1e-45), ValueError, "global_tokens must be at least 1.17549e-38"),
+    (dict(global_seqs=1e39), ValueError, "global_seqs must be at most 3.40282e.38"),
     (dict(global_tokens="8"), TypeError, "global_tokens must be a number"),
     (dict(global_tokens=True), TypeError, "global_tokens"),
     (dict(global_tokens=torch.tensor([8.0])), ValueError, "global_tokens must be a 0-dim tensor"),
@@ -91,6 +95,8 @@ PACKED_CU_CASES = [
     (torch.tensor([0.0, 3.0, 6.0]), TypeError, "cu_seqlens must be an integer tensor"),
     (torch.tensor([[0, 6]]), ValueError, "cu_seqlens must be 1-D"),
     ([0, 3, 6], TypeError, "cu_seqlens must be a torch.Tensor"),
+    # issue 29: NotImplementedError from the host read of a meta tensor
+    (torch.tensor([0, 3, 6], device=META), ValueError, "cu_seqlens is on the meta device"),
 ]
 
 
@@ -98,6 +104,13 @@ PACKED_CU_CASES = [
 def test_policy_loss_bad_cu_seqlens(cu, error, match):
     with pytest.raises(error, match=match):
         rk.policy_loss(_f(6), _f(6), _f(2), torch.ones(6), rk.PolicyLossConfig(), cu_seqlens=cu)
+
+
+def test_fused_policy_loss_cu_seqlens_on_meta():
+    ids, cu = torch.zeros(6, dtype=torch.long), torch.tensor([0, 3, 6], device=META)
+    with pytest.raises(ValueError, match="cu_seqlens is on the meta device"):
+        rk.fused_policy_loss(rk.PolicyLossConfig(), logits=_f(6, 5), token_ids=ids, old_logp=_f(6),
+                             advantages=_f(2), mask=torch.ones(6), cu_seqlens=cu)  # fmt: skip
 
 
 def test_packed_advantages_shape_names_sequences():
@@ -307,6 +320,9 @@ FUSED_CASES = [
     (dict(logits=_f(B, T + 1, V)), ValueError, "token_ids must have shape"),
     (dict(logits=_f(B, T, V, device=META)), ValueError, "token_ids must be on meta"),
     (dict(logits=_f(B, T, V), temperature=0.0), ValueError, "temperature"),
+    (dict(logits=_f(B, T, V), temperature=1e-40), ValueError, "temperature must be at least 1.17549e-38"),
+    (dict(hidden=_f(B, T, 5), weight=_f(V, 5), temperature=1e-40), ValueError, "temperature must be at"),
+    (dict(logits=_f(B, T, V), global_tokens=1e-45), ValueError, "global_tokens must be at least"),
     (dict(logits=_f(B, T, V), old_logp=_f(B, T - 1)), ValueError, "old_logp must have shape"),
     (dict(hidden=_f(B, T, 5), weight=_f(V, 6)), ValueError, r"weight must be \[V, H\]"),
 ]

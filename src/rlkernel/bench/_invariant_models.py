@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rlkernel.bench.suite import CallResult, Prepared, Skip, bench_dtype
+from rlkernel.invariant.scoring import cache_arg
 
 
 def _models(config: str, device: torch.device, seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -67,13 +68,14 @@ def _decode_call(model, ids, tok):
 
     b, t = ids.shape
     cache = DynamicCache(config=model.config)
+    with_cache = cache_arg(model, cache)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **with_cache)
     pos = torch.full((b, 1), t, device=ids.device, dtype=torch.long)
 
     def call(i: int) -> CallResult:
         with torch.no_grad():
-            out = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+            out = model(input_ids=tok, position_ids=pos, use_cache=True, **with_cache).logits[:, -1]
         cache.crop(-1)  # drop this step's entry: every call decodes against the same t entries
         if cache.get_seq_length() != t:
             raise RuntimeError(f"DynamicCache.crop(-1) left {cache.get_seq_length()} entries, expected {t}")

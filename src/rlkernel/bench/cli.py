@@ -6,7 +6,8 @@ Examples::
     rlkernel bench logits                          # the full suite on the GPU -> benchmarks/results/
     rlkernel bench logits --quick --out /tmp/b     # fewer repetitions
     rlkernel bench logits --n 8192 --v 151936 --impl rlkernel,liger --workload sliced_dapo_kl_fwd_bwd
-    rlkernel bench logits --smoke --out /tmp/s     # tiny sizes on the CPU: checks the pipeline only
+    rlkernel bench logits --smoke                  # tiny sizes on the CPU: checks the pipeline only
+                                                   # (written to a new temporary folder)
     rlkernel bench --list                          # suites, workloads, implementations
     rlkernel bench --readme                        # README table + docs results page from the CSVs
 """
@@ -14,7 +15,9 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 from rlkernel.bench.readme import RESULTS_PAGE
@@ -42,7 +45,12 @@ def _int_list(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser`` (used by ``rlkernel bench`` and ``python -m``)."""
     parser.add_argument("suite", nargs="?", help="the suite to run (see --list), e.g. 'logits'")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"output folder (default: {DEFAULT_OUT}; with --smoke a new temporary folder: a smoke run "
+        "never writes over GPU results)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="fewer repetitions (and sizes, where a suite has several)"
     )
@@ -123,6 +131,24 @@ def _options(args: argparse.Namespace, suite_name: str):
     )
 
 
+def _smoke_over_measured_results(out: Path, suite_name: str) -> str | None:
+    """Why a ``--smoke`` run must not write to ``out``: it holds this suite's results of a measured
+    (non-smoke) run, which the CPU rows would replace (and ``--readme`` would then publish)."""
+    path = out / f"{suite_name}.json"
+    if not path.is_file():
+        return None
+    try:
+        env = json.loads(path.read_text()).get("meta", {}).get("env", {})
+    except (OSError, ValueError, AttributeError):
+        env = {}
+    if env.get("device") == "cpu" and "smoke" in str(env.get("gpu", "")):
+        return None  # an earlier smoke run's files
+    return (
+        f"--out {out}: holds the {suite_name} results of a measured run ({path.name}); a --smoke run "
+        "does not overwrite them: name another folder, or leave --out out (a new temporary folder)"
+    )
+
+
 def _list() -> None:
     from rlkernel.bench import SUITES
 
@@ -172,19 +198,28 @@ def run(args: argparse.Namespace) -> int:
             raise harness.BenchError(f"name a suite ({', '.join(sorted(SUITES))}) or pass --readme / --list")
         suite = get_suite(args.suite)
         # The results are written after the whole suite: an unusable --out must fail now.
-        problem = output_dir_problem("--out", args.out)
+        problem = output_dir_problem("--out", args.out) if args.out is not None else None
+        if problem is None and args.smoke and args.out is not None:
+            problem = _smoke_over_measured_results(args.out, suite.name)
         if problem:
             raise harness.BenchError(problem)
-        rows, meta = harness.run_suite(suite, _options(args, suite.name))
+        options = _options(args, suite.name)
+        out = args.out
+        if out is None:
+            # A smoke run measures nothing: it never goes to the committed GPU results by default.
+            out = DEFAULT_OUT
+            if args.smoke:
+                out = Path(tempfile.mkdtemp(prefix=f"rlkernel-bench-{suite.name}-smoke-"))
+        rows, meta = harness.run_suite(suite, options)
     except (harness.BenchError, FileNotFoundError, ValueError) as exc:
         print(f"rlkernel bench: error: {exc}", file=sys.stderr)
         return 2
-    csv_path, json_path = harness.write_results(suite, rows, meta, args.out)
+    csv_path, json_path = harness.write_results(suite, rows, meta, out)
     written = [csv_path, json_path]
     if not args.no_plot:
         env = meta["env"]
         title = f"{suite.name} — {env['gpu']}, torch {env['torch']}, {env['date_utc']}, {env['commit']}"
-        written.append(report.plot(rows, args.out / f"{suite.name}.png", title=title))
+        written.append(report.plot(rows, out / f"{suite.name}.png", title=title))
     print()
     print(report.format_table(rows, suite.param_columns, suite.baseline))
     print()

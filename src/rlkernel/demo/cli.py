@@ -1,8 +1,8 @@
 """``rlkernel demo``: train a tiny Qwen3 policy with GRPO (or any preset) on a toy task.
 
 Wired into the ``rlkernel`` command by :mod:`rlkernel.cli` through :func:`add_arguments` and
-:func:`run`. Prints one line per step, a summary at the end, and writes ``reward_curve.png`` and
-``run.json`` to ``--out``.
+:func:`run`. Prints one line per step (with the time left at the pace so far), a summary at the end,
+and writes ``reward_curve.png`` (reward; loss, KL and entropy) and ``run.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -243,12 +243,28 @@ def _window(n: int) -> int:
     return max(1, min(20, n // 5))
 
 
+def duration(seconds: float) -> str:
+    """``"45s"``, ``"3m07s"`` or ``"1h02m"``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def eta_seconds(step: int, steps: int, elapsed_s: float) -> float:
+    """The time the remaining steps take at the mean pace so far."""
+    return elapsed_s / max(step, 1) * (steps - step)
+
+
 def _step_line(rec: dict, steps: int, kl_name: str) -> str:
+    eta = eta_seconds(rec["step"], steps, rec["elapsed_s"])
     return (
         f"step {rec['step']:>{len(str(steps))}}/{steps}  reward {rec['reward_mean']:.3f}  "
         f"exact {rec['exact_match']:.2f}  loss {rec['loss']:+.4f}  clip {rec['clip_frac']:.3f}  "
         f"{kl_name} {rec['kl']:.2e}  entropy {rec['entropy_mean']:.3f}  "
-        f"max|Δlogp| {rec['max_abs_logp_diff']:.1e}  {rec['elapsed_s']:.1f}s"
+        f"max|Δlogp| {rec['max_abs_logp_diff']:.1e}  {rec['elapsed_s']:.1f}s  ETA {duration(eta)}"
     )
 
 
@@ -304,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         history,
         out_dir / "reward_curve.png",
         window=k,
+        kl_name=kl_name,
         title=f"rlkernel demo: {cfg.preset} on tiny Qwen3, reverse {cfg.task_length} digits "
         f"({dev['device']}, seed {cfg.seed}, {info['elapsed_s']:.0f} s)",
     )

@@ -339,6 +339,8 @@ def _resolve(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Setti
     ]
     if args.model:
         run = _RUN_GPU if device.type == "cuda" else _RUN_SMALL
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     reps = args.reps if args.reps is not None else (20 if device.type == "cuda" else 3)
 
     def pick(value, default):
@@ -351,7 +353,7 @@ def _resolve(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, Setti
         decode_batch_sizes=pick(args.decode_batch_sizes, run["decode"]),
         prefill_batch_sizes=pick(args.prefill_batch_sizes, run["prefill"]),
         seed=args.seed,
-        reps=max(1, reps),
+        reps=reps,
         lm_head_dtype=torch.float32 if args.lm_head_dtype == "float32" else None,
     )
     for name in ("num_seqs", "prompt_len", "gen_len"):
@@ -394,11 +396,26 @@ def format_report(report: dict[str, Any]) -> str:
         v = t.get(key)
         return "n/a" if v is None else f"{v:.2f}x"
 
+    if report.get("device_type") == "cpu":
+        # The patched model runs the invariant *reference* path on the CPU (the Triton kernels are
+        # GPU-only), and a 2-core machine's timings swing run to run (14x one run, 0.5x the next,
+        # issue 29): no ratio is printed, and the line says why.
+        speed = (
+            f"speed (CPU: not a measurement; the patched model runs the invariant reference path, not "
+            f"the GPU kernels, so no ratio is given; time on a GPU with --device cuda): prefill forward "
+            f"{ms('unpatched_prefill_ms')} unpatched, {ms('patched_prefill_ms')} patched; decode step "
+            f"{ms('unpatched_decode_step_ms')} unpatched, {ms('patched_decode_step_ms')} patched"
+        )
+    else:
+        speed = (
+            f"speed: prefill forward {ms('unpatched_prefill_ms')} unpatched, {ms('patched_prefill_ms')} "
+            f"patched ({ratio('prefill_patched_over_unpatched')}); decode step "
+            f"{ms('unpatched_decode_step_ms')} unpatched, {ms('patched_decode_step_ms')} patched "
+            f"({ratio('decode_patched_over_unpatched')})"
+        )
     lines += [
         "",
-        f"speed: prefill forward {ms('unpatched_prefill_ms')} unpatched, {ms('patched_prefill_ms')} patched "
-        f"({ratio('prefill_patched_over_unpatched')}); decode step {ms('unpatched_decode_step_ms')} "
-        f"unpatched, {ms('patched_decode_step_ms')} patched ({ratio('decode_patched_over_unpatched')})",
+        speed,
         f"{'PASS' if ok else 'FAIL'}: the patched model is {'' if ok else 'NOT '}100% bitwise equal "
         "in every pair",
     ]
@@ -440,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
             "vocab": cfg.vocab_size,
         },
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "device_type": device.type,
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,

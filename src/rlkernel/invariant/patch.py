@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 # Imported once here, not inside the forwards: a decode step calls them ~10 times per layer.
+from rlkernel import _validate as check
 from rlkernel.invariant.matmul import linear as _linear
 from rlkernel.invariant.rmsnorm import rms_norm as _rms_norm
 
@@ -255,7 +256,8 @@ def patch_hf_model(
         ``lm_head_dtype``) is a no-op.
 
     Raises:
-        TypeError: ``model`` is not one of the supported architectures.
+        TypeError: ``model`` is not one of the supported architectures; ``allow_unpatched`` not a
+            bool.
         ValueError: a linear or RMSNorm module has a forward of its own (see above; names each
             one), or a module inside ``model`` is already patched by a ``patch_hf_model`` call on a
             submodule (e.g. ``model.model``) or on a model sharing it: patch one level only, so that
@@ -265,6 +267,7 @@ def patch_hf_model(
             different from the one a patched model was patched with.
     """
     _check_model(model, "patch_hf_model")
+    check.boolean("allow_unpatched", allow_unpatched)  # "False" would be truthy
     head_dtype = _lm_head_dtype(model, lm_head_dtype)
     if is_patched(model):
         had = getattr(model, _STATE).get("lm_head_dtype")

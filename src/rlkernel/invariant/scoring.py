@@ -11,6 +11,7 @@ runs the command line; its docstring has the method (steps 1-7) and the Caveats.
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import time
@@ -273,6 +274,14 @@ def prefill_logprobs(
 # --------------------------------------------------------------------------------------------------
 
 
+def cache_arg(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for the model's forward: ``cache=`` where the forward takes it (transformers
+    5.2x renamed the argument and warns on the old name, from our own call), else
+    ``past_key_values=`` (older releases, which the ``demo`` extra still allows)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 def _timed_ms(fn: Callable[[], Any], device: torch.device) -> float:
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -313,7 +322,7 @@ def _decode_timer(model, prompts, completions, batch_size: int, *, steps: int) -
         cache = DynamicCache(config=model.config)
         am = mask.clone()
         pos = (am.cumsum(-1) - 1).clamp(min=0)
-        model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **cache_arg(model, cache))
         times = []
         for t in range(steps):
             am = torch.cat([am, am.new_ones(n, 1)], dim=1)
@@ -325,8 +334,8 @@ def _decode_timer(model, prompts, completions, batch_size: int, *, steps: int) -
                     input_ids=tok,
                     attention_mask=am,
                     position_ids=step_pos,
-                    past_key_values=cache,
                     use_cache=True,
+                    **cache_arg(model, cache),
                 )
 
             times.append(_timed_ms(call, device))

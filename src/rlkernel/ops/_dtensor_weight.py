@@ -111,6 +111,44 @@ def local_lm_head(
     return hidden, weight, bias
 
 
+def gather_lm_head(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, *, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head as full local tensors, differentiably: each DTensor among ``weight`` and ``bias``
+    is all-gathered, its gradient averaged over the mesh and reduce-scattered back to the shards
+    (module docstring); plain tensors (and ``None``) come back as the very same objects.
+
+    The public entry (re-exported as ``rlkernel.distributed.gather_lm_head``) for code that needs
+    the head's full weight itself, e.g. a model forward that projects its own hidden states:
+    ``weight.full_tensor()`` there would keep only this rank's gradient.
+
+    Args:
+        weight: ``[V, H]``: a plain tensor, or a DTensor with ``Shard(0)``/``Replicate()`` placements.
+        bias: optional ``[V]``, as ``weight``.
+        dtype: ``None``, or float16/bfloat16: a float32 DTensor is cast to it before the gather
+            (FSDP2's mixed precision; its gradient is reduced in float32). ``None`` keeps the dtype.
+
+    Returns:
+        ``(weight [V, H], bias [V] or None)``, plain tensors.
+
+    Raises:
+        TypeError: ``weight`` not a tensor, ``bias`` neither a tensor nor None.
+        ValueError: a DTensor placement other than ``Shard(0)`` or ``Replicate()``; ``dtype`` not
+            None, float16 or bfloat16.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor (or DTensor), got {type(weight).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor (or DTensor) or None, got {type(bias).__name__}")
+    if dtype is not None and dtype not in _HALF:
+        raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, got {dtype!r}")
+    if is_dtensor(weight):
+        weight = _gathered("weight", weight, dtype)
+    if is_dtensor(bias):
+        bias = _gathered("bias", bias, dtype)
+    return weight, bias
+
+
 def _placements(t) -> str:
     return f"({', '.join(map(repr, t.placements))}) on a {t.device_mesh.ndim}-D mesh"
 

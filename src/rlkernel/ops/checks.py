@@ -16,7 +16,8 @@ def check_common(
     ids = check.int_tensor("token_ids", token_ids)
     check.same_shape("token_ids", ids, f"{name}.shape[:-1]", x.shape[:-1])
     check.same_device("token_ids", ids, name, x.device)
-    check.positive_float("temperature", temperature)
+    # In float32's normal range, as the config's fields: the logits are divided by it in float32.
+    check.fp32_float("temperature", check.positive_float("temperature", temperature), positive=True)
     check.integer("ignore_index", ignore_index)
     return ids
 

@@ -32,7 +32,10 @@ class LossBatch:
         device: the device of the per-token tensors.
         old_logp: float, the per-token shape; None for an on-policy call (the old log-probs are
             the current ones, detached).
-        advantages: float, per sequence ``[S]`` or per token (the per-token shape).
+        advantages: float, per sequence ``[S]`` (a packed ``[S, 1]`` comes here as its ``[S]``
+            view) or per token (the per-token shape).
+        advantages_per_seq: whether ``advantages`` holds one value per sequence (else one per
+            token); decided by :func:`advantages_layout`.
         mask: bool/int/float, the per-token shape (active where ``!= 0``).
         ref_logp: float or None (present when ``cfg.kl_coef > 0``).
         rollout_logp: float or None (present when ``cfg.rollout_correction`` or ``cfg.rollout_rs``
@@ -55,16 +58,12 @@ class LossBatch:
     global_seqs: float | torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     rollout_weights: torch.Tensor | None = None
+    advantages_per_seq: bool = False
 
     @property
     def token_shape(self) -> tuple[int, ...]:
         """``(B, T)`` or ``(N,)``: the shape of every per-token tensor of the call."""
         return self.segments.token_shape
-
-    @property
-    def advantages_per_seq(self) -> bool:
-        """Whether ``advantages`` holds one value per sequence (else one per token)."""
-        return tuple(self.advantages.shape) != self.token_shape
 
 
 def segments_for(like: torch.Tensor, cu_seqlens: object, *, name: str = "logp") -> Segments:
@@ -153,11 +152,9 @@ def validate_batch(
         )
     adv = check.float_tensor("advantages", advantages)
     check.same_device("advantages", adv, like_name, device)
-    if adv.shape != like.shape and not (adv.dim() == 1 and adv.shape[0] == seg.n_seqs):
-        raise ValueError(
-            f"advantages must have shape ({seg.n_seqs},) (one per sequence) or {tuple(like.shape)} "
-            f"(one per token, the shape of {like_name}), got {check.describe(adv)}"
-        )
+    per_seq = advantages_layout(adv, seg, like_name)
+    if per_seq and adv.dim() == 2:
+        adv = adv.view(seg.n_seqs)  # packed [S, 1]
     return LossBatch(
         cfg=cfg,
         segments=seg,
@@ -171,4 +168,40 @@ def validate_batch(
         global_seqs=check.normalizer("global_seqs", global_seqs, device),
         cu_seqlens=cu_seqlens,
         rollout_weights=rollout_weights,
+        advantages_per_seq=per_seq,
+    )
+
+
+def advantages_layout(adv: torch.Tensor, seg: Segments, like_name: str = "logp") -> bool:
+    """Whether ``adv`` holds one advantage per sequence (True) or one per token (False).
+
+    Padded ``[B, T]`` input: ``[B]`` per sequence, ``[B, T]`` per token. Packed ``[N]`` input with
+    S sequences: ``[S, 1]`` always per sequence; ``[S]`` per sequence and ``[N]`` per token when
+    N ≠ S. When N = S a 1-D ``[N]`` could be either: it is accepted only where both readings agree
+    (every sequence holds one token); otherwise some sequence is empty (S lengths sum to S, one is
+    > 1) and the call raises, naming the two unambiguous forms (issue 29: such a call was read per
+    token, silently, whatever was meant).
+
+    Raises:
+        ValueError: any other shape; the ambiguous packed ``[N]``, N = S.
+    """
+    shape, n_seqs = tuple(adv.shape), seg.n_seqs
+    token_shape = seg.token_shape
+    if seg.is_packed and shape == (n_seqs, 1):
+        return True
+    if shape == token_shape and shape == (n_seqs,) and seg.max_len > 1:
+        raise ValueError(
+            f"advantages of shape ({n_seqs},) are ambiguous: the packed {like_name} has as many tokens "
+            f"as sequences ({n_seqs}, some empty). Pass one per sequence as [S, 1] (advantages[:, None]); "
+            "for one per token, drop the empty sequences from cu_seqlens (they hold no token: the loss "
+            "is unchanged), so that N != S"
+        )
+    if shape == token_shape:
+        return False
+    if shape == (n_seqs,):
+        return True
+    packed = f", ({n_seqs}, 1)" if seg.is_packed else ""
+    raise ValueError(
+        f"advantages must have shape ({n_seqs},){packed} (one per sequence) or {token_shape} "
+        f"(one per token, the shape of {like_name}), got {check.describe(adv)}"
     )

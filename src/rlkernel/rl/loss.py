@@ -67,8 +67,9 @@ Caveats:
     * ``rollout_logp`` is read only by a rollout correction, rollout rejection and the off-policy
       mask; otherwise it is ignored. ``rollout_weights`` should be ≥ 0 (they are not checked: a
       negative weight flips the token's term; with ``gmpo`` its log is NaN).
-    * Packed input whose token count equals its sequence count makes ``advantages`` of shape ``[N]``
-      ambiguous; it is read per token (equal to per sequence when every sequence has one token).
+    * Packed input whose token count equals its sequence count makes 1-D ``advantages`` ambiguous:
+      accepted only when every sequence has one token (both readings agree), else ``ValueError``;
+      ``[S, 1]`` is always per sequence (:func:`rlkernel.rl.batch.advantages_layout`).
 """
 
 from __future__ import annotations
@@ -244,8 +245,9 @@ def policy_loss(
         old_logp: log-probs under the policy that produced the batch (the trainer's, before the
             update); same shape/device as ``logp``; constant. ``None``: on-policy, the old
             log-probs are ``logp.detach()`` (ratio 1 in value, its gradient that of logp).
-        advantages: float, one per sequence (``[B]`` / ``[S]``) or one per token (the shape of
-            ``logp``); constant.
+        advantages: float, one per sequence (``[B]`` / ``[S]``, or packed ``[S, 1]``) or one per
+            token (the shape of ``logp``); constant. Packed with N = S tokens and an empty sequence,
+            a 1-D tensor is ambiguous and raises: give ``[S, 1]`` for one per sequence.
         mask: bool/int/float, the shape of ``logp``; a token is active where ``mask != 0``.
         cfg: the objective (:class:`PolicyLossConfig`).
         ref_logp: reference-policy log-probs, required when ``cfg.kl_coef > 0``; constant.

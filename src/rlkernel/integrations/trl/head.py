@@ -46,6 +46,7 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel import linear_token_logprobs
+from rlkernel.distributed import gather_lm_head
 from rlkernel.integrations.trl.config import require_supported_trl
 
 IGNORE_INDEX = -100  # TRL's label for positions that are not scored
@@ -80,6 +81,8 @@ def _logit_scale(text_config: object) -> float:
     if scaling is None:
         return 1.0
     scaling = check.real("config.logits_scaling", scaling)
+    if not (math.isfinite(scaling) and scaling > 0):  # Granite's 1 / 0 would raise ZeroDivisionError
+        raise ValueError(f"config.logits_scaling must be a finite number > 0, got {scaling}")
     # HyperCLOVA X multiplies its logits by logits_scaling; Granite and MiniCPM3 divide by it.
     return scaling if getattr(text_config, "model_type", None) == "hyperclovax" else 1.0 / scaling
 
@@ -138,18 +141,17 @@ def head_settings(model: object, temperature: object, cast_lm_head_to_fp32: obje
 
 
 def lm_head_params(model: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The LM head's weight ``[V, H]`` and bias (or None), full tensors (an FSDP2 ``DTensor`` shard is
-    gathered, differentiably, as TRL's head does)."""
+    """The LM head's weight ``[V, H]`` and bias (or None), full tensors.
+
+    An FSDP2 ``DTensor`` head (the LM head in a ``fully_shard`` unit of its own, as size-based
+    auto-wrap makes it: its forward never runs, so here it is still sharded) is gathered by
+    :func:`rlkernel.distributed.gather_lm_head`, whose backward averages the gradient over the mesh
+    and reduce-scatters it to the shards, as FSDP2 does for every other parameter. TRL 1.16's head
+    calls ``weight.full_tensor()`` here instead, whose backward keeps only this rank's gradient
+    (docs/integrations/trl.md, "FSDP2"). A head in the root unit is FSDP2's unsharded plain tensor
+    inside the forward and comes back as it is (FSDP2 reduces its gradient)."""
     head = model.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without DTensor
-        return weight, bias
-    if isinstance(weight, DTensor):
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-    return weight, bias
+    return gather_lm_head(head.weight, getattr(head, "bias", None))
 
 
 def head_inputs(

@@ -77,7 +77,7 @@ class _LossHead:
         self.normalizers, self.entropy_coef, self.accumulation = normalizers, entropy_coef, accumulation
         self.output = self.entropy = self.kept = None
 
-    def _advantages(self, tokens: int) -> torch.Tensor:
+    def _advantages(self) -> torch.Tensor:
         adv, active = self.inputs["advantages"], self.active
         if adv.dim() == 2:  # subclasses may give one advantage per token
             if self.plan.config.loss_type == "gspo":
@@ -87,9 +87,7 @@ class _LossHead:
                     "advantage"
                 )
             return adv[active]
-        # Packed input with as many tokens as sequences reads advantages per token (rl.loss); expand
-        # then, so that the per-sequence values are never misread.
-        return adv[:, None].expand(active.shape)[active] if tokens == active.shape[0] else adv
+        return adv[:, None]  # one per sequence of the packed input: [S, 1], whatever N and S are
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         inputs, active, plan = self.inputs, self.active, self.plan
@@ -120,7 +118,7 @@ class _LossHead:
             rollout = torch.where(torch.isnan(sampling), old, sampling)
         ref = inputs["ref_per_token_logps"][active] if cfg.kl_coef > 0 else None
         common = dict(
-            advantages=self._advantages(tokens),
+            advantages=self._advantages(),
             mask=torch.ones(tokens, dtype=torch.bool, device=ids.device),
             ref_logp=ref,
             cu_seqlens=cu_seqlens,
