@@ -9,10 +9,17 @@ configuration requires); ``cu_seqlens`` is read on the host once, here, and kept
 
 The error messages name the per-token tensor every other input is checked against: ``logp`` in
 ``policy_loss``, ``token_ids`` in ``fused_policy_loss``.
+
+With a ``cp_group`` (context parallelism: each rank holds a slice of every sequence) the local
+checks run inside a cross-rank check (:mod:`rlkernel.rl.context_parallel_checks`): an error on any
+rank, or a layout the ranks do not share, raises the same error on every rank, and the batch that
+comes back carries the agreed :class:`~rlkernel.rl.context_parallel.ContextParallel` (``cp``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +27,8 @@ import torch
 from rlkernel import _validate as check
 from rlkernel.rl.aggregate import Segments
 from rlkernel.rl.config import PolicyLossConfig
+from rlkernel.rl.context_parallel import ContextParallel
+from rlkernel.rl.context_parallel_checks import IdCheck, agree_on_layout
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,10 @@ class LossBatch:
             ``cfg.rollout_correction``).
         global_tokens, global_seqs: normalizers (None, a finite number >= 0, or a 0-dim tensor).
         cu_seqlens: int ``[S + 1]`` for packed input, else None.
+        cp: the context-parallel group and layout (None: the call holds whole sequences).
+        per_seq_advantages: how the ranks of ``cp`` agreed to read ``advantages`` when this
+            rank's shapes leave it ambiguous (None: from the shapes; see
+            :attr:`advantages_per_seq`).
     """
 
     cfg: PolicyLossConfig
@@ -55,6 +68,8 @@ class LossBatch:
     global_seqs: float | torch.Tensor | None
     cu_seqlens: torch.Tensor | None
     rollout_weights: torch.Tensor | None = None
+    cp: ContextParallel | None = None
+    per_seq_advantages: bool | None = None
 
     @property
     def token_shape(self) -> tuple[int, ...]:
@@ -63,8 +78,17 @@ class LossBatch:
 
     @property
     def advantages_per_seq(self) -> bool:
-        """Whether ``advantages`` holds one value per sequence (else one per token)."""
+        """Whether ``advantages`` holds one value per sequence (else one per token). Packed input
+        with as many tokens as sequences is ambiguous and read per token, unless the ranks of a
+        context-parallel group agreed otherwise (the other ranks' shapes decide)."""
+        if self.per_seq_advantages is not None:
+            return self.per_seq_advantages
         return tuple(self.advantages.shape) != self.token_shape
+
+    @property
+    def advantages_ambiguous(self) -> bool:
+        """``advantages`` of shape ``[N]`` with N = S (packed): per sequence or per token alike."""
+        return tuple(self.advantages.shape) == self.token_shape == (self.segments.n_seqs,)
 
 
 def segments_for(like: torch.Tensor, cu_seqlens: object, *, name: str = "logp") -> Segments:
@@ -89,6 +113,31 @@ def segments_for(like: torch.Tensor, cu_seqlens: object, *, name: str = "logp") 
     )
 
 
+@dataclass(frozen=True)
+class CallChecks:
+    """What a context-parallel call adds to :func:`validate_batch`'s cross-rank check.
+
+    Attributes:
+        sources: the tensors the log-probs come from (``logp``; the logits; hidden, weight, bias):
+            the first one's dtype and device type, and whether any needs a gradient, must agree
+            across the ranks.
+        error: a check of the caller that failed before :func:`validate_batch` (raised on every
+            rank by the cross-rank check), or None.
+        later: the caller's checks that come after the batch's (run inside the cross-rank check).
+        entropy: whether ``entropy`` is given (``policy_loss``), else None.
+        vocab: ``fused_policy_loss``: check the active ids against ``[0, vocab)`` in the cross-rank
+            check; None: no id check there.
+        what: the call's name in errors.
+    """
+
+    sources: tuple
+    error: Exception | None = None
+    later: Callable[[], None] | None = None
+    entropy: bool | None = None
+    vocab: int | None = None
+    what: str = "policy_loss"
+
+
 def validate_batch(
     cfg: PolicyLossConfig,
     like: torch.Tensor,
@@ -103,6 +152,9 @@ def validate_batch(
     global_seqs: object = None,
     cu_seqlens: object = None,
     like_name: str = "logp",
+    cp_group: object = None,
+    cp_positions: object = None,
+    cp_checks: CallChecks | None = None,
 ) -> LossBatch:
     """Check a loss call's per-token inputs against ``like`` (``logp``, or the token ids).
 
@@ -113,16 +165,78 @@ def validate_batch(
         old_logp, advantages, mask, ref_logp, rollout_logp, rollout_weights, global_tokens,
             global_seqs, cu_seqlens: as in :func:`rlkernel.policy_loss` (``old_logp=None``:
             on-policy).
+        cp_group: a context-parallel process group, or None (a collective when given: see the
+            module docstring).
+        cp_positions: int, the shape of ``like``: each token's position in its sequence (with
+            ``cp_group`` only; None: contiguous slices in rank order).
+        cp_checks: what the caller adds to the cross-rank check (:class:`CallChecks`); by default
+            ``like`` is the only source.
 
     Returns:
-        :class:`LossBatch`.
+        :class:`LossBatch` (with ``cp`` under a ``cp_group``).
 
     Raises:
         TypeError: ``cfg`` not a ``PolicyLossConfig``; a non-tensor or wrong-dtype input.
         ValueError: shape/device mismatches, bad ``cu_seqlens``, an input ``cfg`` needs missing,
             ``rollout_weights`` with ``cfg.rollout_correction``, a bad normalizer, advantages
-            neither per sequence nor per token.
+            neither per sequence nor per token, ``cp_positions`` without ``cp_group``. Under a
+            ``cp_group`` every rank raises the same error when any rank's checks fail or the ranks
+            disagree (:mod:`rlkernel.rl.context_parallel_checks`).
     """
+    local = dict(
+        old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, rollout_logp=rollout_logp,
+        rollout_weights=rollout_weights, global_tokens=global_tokens, global_seqs=global_seqs,
+        cu_seqlens=cu_seqlens, like_name=like_name,
+    )  # fmt: skip
+    if cp_group is None:
+        if cp_positions is not None:
+            raise ValueError("cp_positions applies with cp_group only (a context-parallel slice's positions)")
+        return _local_batch(cfg, like, **local)
+    calls = cp_checks if cp_checks is not None else CallChecks(sources=(like,))
+    error, batch, positions, ids = calls.error, None, None, None
+    if error is None:
+        try:
+            batch = _local_batch(cfg, like, **local)
+            if cp_positions is not None:
+                positions = check.int_tensor("cp_positions", cp_positions)
+                check.same_shape("cp_positions", positions, like_name, like.shape)
+                check.same_device("cp_positions", positions, like_name, like.device)
+            if calls.later is not None:
+                calls.later()
+        except (TypeError, ValueError) as err:
+            error = err
+    if error is None and calls.vocab is not None:
+        ids = IdCheck("token_ids (at active mask positions)", like, batch.mask != 0, calls.vocab)
+    cp = agree_on_layout(
+        cp_group,
+        batch=batch,
+        error=error,
+        positions=positions,
+        has_positions=cp_positions is not None,
+        sources=calls.sources,
+        entropy=calls.entropy,
+        ids=ids,
+        what=calls.what,
+    )
+    return dataclasses.replace(batch, cp=cp, per_seq_advantages=cp.advantages_per_seq)
+
+
+def _local_batch(
+    cfg: PolicyLossConfig,
+    like: torch.Tensor,
+    *,
+    old_logp: object,
+    advantages: object,
+    mask: object,
+    ref_logp: object = None,
+    rollout_logp: object = None,
+    rollout_weights: object = None,
+    global_tokens: object = None,
+    global_seqs: object = None,
+    cu_seqlens: object = None,
+    like_name: str = "logp",
+) -> LossBatch:
+    """:func:`validate_batch` on this rank alone (no collective)."""
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     device = like.device

@@ -44,6 +44,11 @@ on-policy rollout corrections/rejection keep the composed path (``token_loss.is_
 Caveats:
     * The caller aligns logits with ids (``logits[:, :-1]`` predicts ``ids[:, 1:]``); strided views
       are fine.
+    * ``cp_group`` (context parallelism, :mod:`rlkernel.rl.context_parallel`): the token-level
+      plan's per-token constants come from sums reduced over the group; gspo, gspo_token and gmpo
+      from logits take the autograd coefficients, never the closed-form sequence kernel (it sums
+      each sequence in one program and cannot see the other ranks' tokens); the linear path builds
+      its plan before the first chunk (its collectives must run on a rank without a chunk too).
     * ``tp_group`` (vocab-parallel LM head) is forwarded to ``linear_token_logprobs`` and works only
       on the hidden-state path. A DTensor LM head (FSDP2) is gathered first
       (``rlkernel.ops._dtensor_weight``), not with ``tp_group``.
@@ -79,7 +84,7 @@ from rlkernel.ops.logprobs import (
 from rlkernel.ops.token_loss import LossCoefficients, TokenLossTerms
 from rlkernel.ops.token_loss import token_loss as token_loss_op
 from rlkernel.rl import seq_token_loss, token_loss
-from rlkernel.rl.batch import LossBatch, validate_batch
+from rlkernel.rl.batch import CallChecks, LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
 
@@ -124,6 +129,28 @@ def _token_level_linear(batch: LossBatch, hidden: object, weight: object, opts: 
     return weight.dtype == hidden.dtype and _token_level(batch, hidden, opts)
 
 
+def _cp_checks(logits, hidden, weight, bias, token_ids, temperature, tp_group, validate) -> CallChecks:
+    """A context-parallel call's source checks, made inside the cross-rank check (any rank's error
+    raised on every rank): the logits' or hidden states' checks, and the id check against V (the
+    vocab-parallel primitive checks ids against the global V itself)."""
+    error, vocab = None, None
+    try:
+        check.int_tensor("token_ids", token_ids)
+        if logits is not None:
+            check.float_tensor("logits", logits, min_dim=1)
+            check_common("logits", logits, token_ids, temperature, IGNORE_INDEX)
+            vocab = logits.shape[-1]
+        elif tp_group is None:
+            check_linear_inputs(hidden, weight, token_ids, bias, temperature, IGNORE_INDEX)
+            vocab = weight.shape[0]
+    except (TypeError, ValueError) as err:
+        error = err
+    sources = (logits,) if logits is not None else tuple(t for t in (hidden, weight, bias) if t is not None)
+    return CallChecks(
+        sources=sources, error=error, vocab=vocab if validate else None, what="fused_policy_loss"
+    )
+
+
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
     if (logits is None) == (hidden is None):
         raise ValueError(
@@ -162,6 +189,8 @@ def fused_policy_loss(
     inplace_backward: bool = False,
     invariant: bool = False,
     logits_dtype: torch.dtype | None = None,
+    cp_group: object | None = None,
+    cp_positions: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The RL loss from logits or hidden states; same result as ``policy_loss(token_logprobs(...))``.
 
@@ -179,6 +208,13 @@ def fused_policy_loss(
             :func:`rlkernel.linear_token_logprobs`.
         temperature: the sampling temperature (> 0) applied to the logits.
         tp_group: vocab-parallel process group (hidden path only; see ``linear_token_logprobs``).
+        cp_group, cp_positions: context parallelism, as in :func:`rlkernel.policy_loss` (each rank
+            holds a slice of the token positions of every sequence: ``token_ids``, the logits or
+            hidden states and every per-token input are this rank's slice). With ``tp_group``
+            too, the ranks of one TP group hold the same slice. A collective: every rank of
+            ``cp_group`` makes the call, runs the backward and reads the metrics (or none does).
+            Under ``cp_group`` the id check (``validate``) and every input check run inside one
+            cross-rank check: any rank's error is raised on every rank.
         validate: check that active ids are in ``[0, V)``; ``False`` skips it. No host sync on the
             Triton path on CUDA: a bad id makes the loss NaN at once and its ``ValueError`` is
             raised by a later call (see ``token_logprobs``'s ``validate``); elsewhere it raises
@@ -218,7 +254,11 @@ def fused_policy_loss(
         # before the dtype checks (fp32 shards with half hidden states are cast to hidden's dtype).
         hidden, weight, bias = _dtensor_weight.local_lm_head(hidden, weight, bias, tp_group=tp_group)
     inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
-    token_ids = check.int_tensor("token_ids", token_ids)
+    cp_checks = None
+    if cp_group is None:
+        token_ids = check.int_tensor("token_ids", token_ids)
+    else:  # the source checks first, inside the cross-rank check
+        cp_checks = _cp_checks(logits, hidden, weight, bias, token_ids, temperature, tp_group, validate)
     batch = validate_batch(
         cfg,
         token_ids,
@@ -232,6 +272,9 @@ def fused_policy_loss(
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
         like_name="token_ids",
+        cp_group=cp_group,
+        cp_positions=cp_positions,
+        cp_checks=cp_checks,
     )
     ids, active = token_loss.masked_token_ids(token_ids, batch.mask)
     tp = tp_group is not None
@@ -246,7 +289,7 @@ def fused_policy_loss(
         vocab = weight.shape[0]
     opts = current_options()
     checked = contextlib.nullcontext()
-    if validate and not tp:
+    if validate and not tp and cp_group is None:  # (under cp_group: checked across the ranks)
         # On the active positions only, none exempt: an active id equal to IGNORE_INDEX is an error
         # (masked_token_ids sends it to the kernels as -1: a NaN log-prob meanwhile, never dropped).
         x = logits if logits is not None else hidden
@@ -271,7 +314,10 @@ def _run(cfg, batch, masked_ids, logits, hidden, weight, bias, temperature, tp_g
         return _fused_token_level(logits, masked_ids, batch, temperature, inplace_backward, two_pass)
     if _coefficient_path(cfg, logits, opts):
         on_policy, given_weights = batch.old_logp is None, batch.rollout_weights is not None
-        if seq_token_loss.is_eligible(cfg, on_policy=on_policy, has_rollout_weights=given_weights):
+        # Context parallelism: the closed form's kernel sums each sequence in one program; the
+        # autograd coefficients run the algebra, whose sequence sums span the ranks.
+        seq_form = seq_token_loss.is_eligible(cfg, on_policy=on_policy, has_rollout_weights=given_weights)
+        if seq_form and batch.cp is None:
             return _fused_sequence_level(logits, masked_ids, batch, temperature, inplace_backward)
         return _fused_autograd_coefficients(logits, masked_ids, batch, temperature, inplace_backward)
     tp = tp_group is not None
@@ -398,10 +444,11 @@ def _fused_linear_token_level(hidden, weight, bias, masked_ids, batch, temperatu
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
     want_entropy = batch.cfg.entropy_coef != 0
-    if batch.cfg.rollout_rs is None:
+    if batch.cfg.rollout_rs is None and batch.cp is None:
         # The plan's ids are the masked ids: build the plan (~20 small launches of host time) on the
         # first chunk's coefficients, after that chunk's logits GEMM was queued, instead of before
-        # it, while the GPU would wait.
+        # it, while the GPU would wait. (Context parallelism: its collectives must run on every
+        # rank, also one without a chunk: the plan first.)
         ids, coef_fn = masked_ids[0].reshape(-1), _lazy_coef_fn(batch, masked_ids)
     else:  # rollout rejection drops tokens from the ids: the plan first
         plan = token_loss.plan_from_batch(batch, masked_ids)
