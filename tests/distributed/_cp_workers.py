@@ -537,6 +537,33 @@ def check_policy_loss_with_global_normalizers(ctx: Ctx) -> None:
         _close(_all_reduced(total, ctx.group), whole.loss, F64, f"{cfg.loss_type}: Σ micro-batch rank losses")
 
 
+def check_rejection_mask_for_normalizers(ctx: Ctx) -> None:
+    """``rejection_mask(cp_group=)``: this rank's slice of the unsplit rejection mask (sequence
+    criteria read the whole sequence), the counts ``global_normalizers`` needs for ``rollout_rs``."""
+    from rlkernel.rl.rollout import rejection_mask
+
+    for k, criterion in enumerate(("seq_mean_k3", "seq_max_k2", "seq_sum_k1", "token_k3")):
+        data = unsplit(80 + k, packed=k % 2 == 1)
+        layout = layouts(ctx.world, data, 80)[k]
+        k1 = criterion.endswith("k1")
+        bounds = dict(rollout_rs_min=0.5, rollout_rs_max=1.5) if k1 else dict(rollout_rs_max=0.03)
+        cfg = rk.PolicyLossConfig(rollout_rs=criterion, kl_coef=0.1, **bounds)
+        t = data.tensors
+        cu = data.cu_seqlens if data.packed else None
+        full = rejection_mask(
+            cfg, data.flat(t["old_logp"]), data.flat(t["rollout_logp"]), data.flat(t["mask"]), cu_seqlens=cu
+        )
+        if data.packed:
+            full = torch.zeros(S, T, dtype=torch.bool).masked_scatter(
+                torch.arange(T)[None, :] < torch.tensor(data.lengths)[:, None], full
+            )
+        select = lambda x, d=data, lay=layout: local(d, lay, ctx.rank, x)  # noqa: E731
+        kw = layout_args(ctx, data, layout)
+        mine = rejection_mask(cfg, select(t["old_logp"]), select(t["rollout_logp"]), select(t["mask"]), **kw)
+        assert torch.equal(mine, select(full)), f"{criterion}: the rank's slice of the rejection mask"
+        assert 0 < int(full.sum()) < int(t["mask"].sum()), f"{criterion}: nothing (or everything) rejected"
+
+
 # ------------------------------------------------------------------------------- bad layouts
 def expect_same_error(ctx: Ctx, label: str, fn: Callable[[], object], exc: type, needle: str) -> None:
     """``fn`` raises ``exc`` with the same message on every rank, containing ``needle``."""

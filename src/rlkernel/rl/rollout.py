@@ -85,6 +85,7 @@ Caveats:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel.rl.aggregate import finite_or_nan, masked, seq_any, seq_count, seq_mean, seq_sum
-from rlkernel.rl.batch import segments_for
+from rlkernel.rl.batch import segments_for, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 
 REJECTION_LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND on log ρ before the divergences
@@ -322,6 +323,8 @@ def rejection_mask(
     mask: torch.Tensor,
     *,
     cu_seqlens: torch.Tensor | None = None,
+    cp_group: object | None = None,
+    cp_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mask that remains after ``cfg``'s rollout rejection: bool, the shape of ``mask``.
 
@@ -336,12 +339,27 @@ def rejection_mask(
             log-probs, detached).
         mask: bool/int/float, active where ``!= 0``.
         cu_seqlens: int ``[S + 1]`` for packed input.
+        cp_group, cp_positions: context parallelism, as in ``policy_loss`` (the tensors are this
+            rank's slice of every sequence; a sequence criterion reads the whole sequence). A
+            collective with the cross-rank checks of ``policy_loss``.
 
     Raises:
-        TypeError / ValueError: as ``policy_loss`` for the same tensors.
+        TypeError / ValueError: as ``policy_loss`` for the same tensors (under ``cp_group`` on
+            every rank alike).
     """
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    cp = None
+    if cp_group is not None:
+        # The loss's own cross-rank check, on these tensors (the KL and advantages play no part).
+        cp = validate_batch(
+            dataclasses.replace(cfg, kl_coef=0.0), old_logp, old_logp=old_logp,
+            advantages=torch.zeros_like(old_logp) if isinstance(old_logp, torch.Tensor) else None,
+            mask=mask, rollout_logp=rollout_logp, cu_seqlens=cu_seqlens, like_name="old_logp",
+            cp_group=cp_group, cp_positions=cp_positions,
+        ).cp  # fmt: skip
+    elif cp_positions is not None:
+        raise ValueError("cp_positions applies with cp_group only (a context-parallel slice's positions)")
     mask = check.mask_tensor("mask", mask)
     check.float_like("old_logp", old_logp, "mask", mask)
     check.float_like("rollout_logp", rollout_logp, "mask", mask)
@@ -354,9 +372,8 @@ def rejection_mask(
     def padded(x: torch.Tensor) -> torch.Tensor:
         return finite_or_nan(seg.to_padded(x.detach().to(torch.promote_types(x.dtype, torch.float32))))
 
-    keep = rejection(
-        padded(old_logp), padded(rollout_logp), act2, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
-    ).keep
+    bounds = (cfg.rollout_rs_min, cfg.rollout_rs_max)
+    keep = rejection(padded(old_logp), padded(rollout_logp), act2, cfg.rollout_rs, *bounds, cp).keep
     if not seg.is_packed:
         return keep
     flat = torch.zeros(mask.shape[0] + 1, dtype=torch.bool, device=mask.device)
