@@ -1,7 +1,8 @@
-"""The torchrun entry of ``test_fsdp2.py``: an FSDP2 LM head on NCCL, 2 GPUs, against one GPU.
+"""The torchrun entry of ``test_fsdp2.py``: an FSDP2 LM head on NCCL, 2 or 4 GPUs, against one GPU.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multi_gpu/_fsdp2_worker.py --out DIR
-    (add --smoke for gloo on the CPU at tiny sizes; the test runs this for you)
+    (--nproc_per_node=4: FSDP2 over 4 ranks; add --smoke for gloo on the CPU at tiny sizes; the test
+    runs these for you)
 
 Every rank runs :data:`CHECKS` in order and writes ``DIR/rank<r>.json`` (check name → ``"ok"`` or
 the traceback) after each one. On the first failure a rank writes its traceback and exits non-zero;
