@@ -13,7 +13,7 @@ sum of a 64-bit mix of their positions, against the sum over 0 … n_i − 1 (a 
 repeated, missing or out of range — changes the sum but with probability ~2^-64).
 
 The protocol is that of the vocab-parallel checks (``rlkernel.ops._vocab_parallel_checks``); the
-user-facing description is in ``docs/guides/multi-gpu.md`` ("Validation").
+user-facing description is in ``docs/guides/multi-gpu.md`` ("Cross-rank checks").
 """
 
 from __future__ import annotations

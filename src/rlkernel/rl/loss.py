@@ -59,6 +59,11 @@ With ``cfg.kl_ratio_weighted`` the KL term (and ``kl_ref``) is KL·ρ, ρ the lo
 ratio (:func:`rlkernel.rl.objectives.importance_ratio`, differentiable, as TRL's
 ``use_bias_correction_kl``).
 
+Context parallelism (``cp_group``): the inputs are each rank's slice of every sequence; every
+sequence or batch sum above is reduced over the group (:mod:`rlkernel.rl.context_parallel`), so the
+rank losses add up to the unsplit loss, each rank's gradient is its slice of the unsplit gradient,
+and the metrics are the unsplit call's on every rank (reading them is a collective).
+
 Caveats:
     * Metrics are local to the call (micro-batch), not normalized globally; average them as you log.
     * ``rollout_logp`` is ignored when ``cfg.rollout_correction`` is ``None``.
