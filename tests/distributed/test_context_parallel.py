@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from _rank_checks import fail_unless_ok, run_spawned
+from _rank_checks import fail_unless_ok, run_spawned, runs_by_world
 
 from . import _cp_workers
 from .test_vocab_parallel import _start_method, pytestmark  # noqa: F401 - the same skip condition
@@ -32,15 +32,8 @@ WORLDS = (2, 3, 4)
 def runs(tmp_path_factory):
     """``runs(world)``: ``({rank: {check: "ok" | traceback}}, problem)`` after running every check of
     a world size, once per module (the processes start once per world size)."""
-    done = {}
-
-    def run(world: int):
-        if world not in done:
-            out = tmp_path_factory.mktemp(f"context_parallel_{world}")
-            done[world] = run_spawned(_cp_workers.run, world, out, DEADLINE_S, _start_method())
-        return done[world]
-
-    return run
+    launch = lambda world, out: run_spawned(_cp_workers.run, world, out, DEADLINE_S, _start_method())  # noqa: E731
+    return runs_by_world(tmp_path_factory, "context_parallel", launch, cuda=False)
 
 
 @pytest.mark.parametrize(

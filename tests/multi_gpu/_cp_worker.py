@@ -31,8 +31,6 @@ absolute or relative (a clip fraction may move by a token whose ratio sits on th
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -42,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernel as rk
-from _rank_checks import init_torchrun_group, run_checks
+from _rank_checks import finish_torchrun_worker, init_torchrun_group, rel, worker_args
 from rlkernel.distributed import context_parallel_split, global_normalizers
 from rlkernel.rl.config import PRESETS
 
@@ -67,10 +65,6 @@ class Ctx:
     out: str = ""
     cache: dict = field(default_factory=dict)
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def close_metrics(got: dict, want: dict, what: str) -> None:
@@ -363,22 +357,13 @@ def checks(world: int) -> dict[str, Callable[[Ctx], None]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
-    parser.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny sizes")
-    args = parser.parse_args()
+    args = worker_args(__doc__)
     device = init_torchrun_group(args.smoke, COLLECTIVE_TIMEOUT_S)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world not in (2, 4):
         raise SystemExit(f"run on 2 ranks (CP = 2) or 4 (the 2 x 2 meshes), not {world}")
     ctx = Ctx(rank=rank, world=world, device=device, out=args.out, **(SMOKE if args.smoke else FULL))
-    path = os.path.join(args.out, f"rank{rank}.json")
-    after_each = torch.cuda.empty_cache if device.type == "cuda" else None
-    if not run_checks(checks(world).items(), ctx, path, after_each):
-        return 1  # torchrun stops the other ranks
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish_torchrun_worker(checks(world).items(), ctx, args.out, rank, device)
 
 
 if __name__ == "__main__":

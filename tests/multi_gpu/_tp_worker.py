@@ -27,7 +27,6 @@ Tolerances (max |Δ| of logp/entropy; ‖Δ‖/‖ref‖ of gradients):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernel as rk
-from _rank_checks import init_torchrun_group, median_ms, run_checks
+from _rank_checks import finish_torchrun_worker, init_torchrun_group, median_ms, rel, worker_args
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
 from rlkernel.reference import logprobs as ref
 from rlkernel.rl.config import PRESETS
@@ -82,10 +81,6 @@ class Ctx:
             return "half" if self.device.type == "cuda" else "fp32"
         return tp_gemm
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def inputs(ctx: Ctx):
@@ -357,10 +352,7 @@ def checks(smoke: bool, world: int = 2) -> dict[str, Callable[[Ctx], None]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
-    parser.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny sizes")
-    args = parser.parse_args()
+    args = worker_args(__doc__)
     device = init_torchrun_group(args.smoke, COLLECTIVE_TIMEOUT_S)
     rank, world = dist.get_rank(), dist.get_world_size()
     size = dict(SMOKE if args.smoke else FULL)
@@ -371,12 +363,7 @@ def main() -> int:
         split[-1] -= 7
         size["split"] = tuple(split)
     ctx = Ctx(rank=rank, world=world, group=dist.group.WORLD, device=device, out=args.out, **size)
-    path = os.path.join(args.out, f"rank{rank}.json")
-    if not run_checks(checks(args.smoke, world).items(), ctx, path):
-        return 1  # torchrun stops the other ranks
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish_torchrun_worker(checks(args.smoke, world).items(), ctx, args.out, rank, device)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _rank_checks import fail_unless_ok, run_torchrun
+from _rank_checks import fail_unless_ok, run_torchrun, runs_by_world
 
 from . import _fsdp2_worker
 
@@ -36,19 +36,11 @@ WORLDS = (2,) if SMOKE else (2, 4)  # 4: FSDP2 over 4 ranks
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``runs(world)``: ``({rank: {check: "ok" | traceback}}, problem)`` after one torchrun of every
-    check on ``world`` ranks (once per world size; skipped with fewer CUDA devices)."""
-    done = {}
-
-    def run(world: int):
-        if not SMOKE and torch.cuda.device_count() < world:
-            pytest.skip(f"needs {world} CUDA devices (a CPU-only machine runs the checks tiny on gloo)")
-        if world not in done:
-            out = tmp_path_factory.mktemp(f"fsdp2_{world}")
-            # A session of its own: on the deadline the whole group (torchrun and its workers) is killed.
-            done[world] = run_torchrun(Path(_fsdp2_worker.__file__), out, world, DEADLINE_S, SMOKE)
-        return done[world]
-
-    return run
+    check on ``world`` ranks (once per world size; a session of its own, killed whole at the
+    deadline; skipped with fewer CUDA devices)."""
+    worker = Path(_fsdp2_worker.__file__)
+    launch = lambda world, out: run_torchrun(worker, out, world, DEADLINE_S, SMOKE)  # noqa: E731
+    return runs_by_world(tmp_path_factory, "fsdp2", launch, cuda=not SMOKE)
 
 
 @pytest.mark.parametrize(("world", "check"), [(w, c) for w in WORLDS for c in _fsdp2_worker.CHECK_NAMES])

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _rank_checks import fail_unless_ok, run_torchrun
+from _rank_checks import fail_unless_ok, run_torchrun, runs_by_world
 
 from . import _tp_worker
 
@@ -37,19 +37,11 @@ WORLDS = (2,) if SMOKE else (2, 4)  # 4: TP = 4, and the 2 x 2 TP x DP mesh
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``runs(world)``: ``({rank: {check: "ok" | traceback}}, problem)`` after one torchrun of every
-    check on ``world`` ranks (once per world size; skipped with fewer CUDA devices)."""
-    done = {}
-
-    def run(world: int):
-        if not SMOKE and torch.cuda.device_count() < world:
-            pytest.skip(f"needs {world} CUDA devices (a CPU-only machine runs the checks tiny on gloo)")
-        if world not in done:
-            out = tmp_path_factory.mktemp(f"tensor_parallel_{world}")
-            # A session of its own: on the deadline the whole group (torchrun and its workers) is killed.
-            done[world] = run_torchrun(Path(_tp_worker.__file__), out, world, DEADLINE_S, SMOKE)
-        return done[world]
-
-    return run
+    check on ``world`` ranks (once per world size; a session of its own, killed whole at the
+    deadline; skipped with fewer CUDA devices)."""
+    worker = Path(_tp_worker.__file__)
+    launch = lambda world, out: run_torchrun(worker, out, world, DEADLINE_S, SMOKE)  # noqa: E731
+    return runs_by_world(tmp_path_factory, "tensor_parallel", launch, cuda=not SMOKE)
 
 
 @pytest.mark.parametrize(("world", "check"), [(w, c) for w in WORLDS for c in _tp_worker.checks(SMOKE, w)])

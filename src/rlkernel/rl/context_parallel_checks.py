@@ -12,20 +12,21 @@ checks that the positions partition every sequence: rank r's count of each seque
 sum of a 64-bit mix of their positions, against the sum over 0 … n_i − 1 (a wrong map — a position
 repeated, missing or out of range — changes the sum but with probability ~2^-64).
 
-The protocol is that of the vocab-parallel checks (``rlkernel.ops._vocab_parallel_checks``); the
+The protocol is that of the vocab-parallel checks (``rlkernel.ops._vocab_parallel_checks``; the
+shared pieces in :mod:`rlkernel._rank_agreement`); the
 user-facing description is in ``docs/guides/multi-gpu.md`` ("Cross-rank checks").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import struct
 import zlib
 
 import torch
 import torch.distributed as dist
 
 from rlkernel import _dispatch
+from rlkernel import _rank_agreement as agreement
 from rlkernel import _validate as check
 from rlkernel._options import current_options
 from rlkernel.ops._vocab_parallel_checks import check_group, collective_device
@@ -54,11 +55,8 @@ _FIELDS = (
     "first_bad_id",
 )
 _F = {name: i for i, name in enumerate(_FIELDS)}
-_MSG_BYTES = 384
-_DESC_LEN = len(_FIELDS) + _MSG_BYTES // 8
+_DESC_LEN = len(_FIELDS) + agreement.MSG_WORDS  # the fields, then a local error's message
 _INPUTS = ("old_logp", "ref_logp", "rollout_logp", "rollout_weights", "entropy")
-_DTYPES = (None,) + check.FLOAT_DTYPES
-_DEVICE_TYPES = ("other", "cpu", "cuda")
 _MUST_AGREE = (
     ("packed", "layout (padded [B, T] or packed with cu_seqlens)"),
     ("n_seqs", "sequence count S"),
@@ -97,15 +95,14 @@ def _normalizer_fields(value) -> tuple[int, int | torch.Tensor]:
         return 0, 0
     if isinstance(value, torch.Tensor):
         return 2, value.detach().reshape(()).to(torch.float64).view(torch.int64)
-    return 1, struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    return 1, agreement.float_bits(float(value))
 
 
 def _descriptor(batch, error, has_positions, sources, entropy, ids: IdCheck | None, device) -> torch.Tensor:
     host = [0] * _DESC_LEN
     if error is not None:
-        host[_F["error"]] = 2 if isinstance(error, TypeError) else 1
-        raw = str(error).encode("utf-8")[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
-        host[len(_FIELDS) :] = list(struct.unpack(f"<{_MSG_BYTES // 8}q", raw))
+        host[_F["error"]] = agreement.error_code(error)
+        host[len(_FIELDS) :] = agreement.message_words(error)
         return torch.tensor(host, dtype=torch.int64, device=device)
     seg = batch.segments
     host[_F["packed"]] = int(seg.is_packed)
@@ -125,9 +122,8 @@ def _descriptor(batch, error, has_positions, sources, entropy, ids: IdCheck | No
     host[_F["inputs"]] = sum(int(p) << i for i, p in enumerate(present))
     host[_F["advantages"]] = 2 if batch.advantages_ambiguous else int(batch.advantages_per_seq)
     source = sources[0]
-    host[_F["dtype"]] = _DTYPES.index(source.dtype) if source.dtype in _DTYPES else 0
-    kind = source.device.type
-    host[_F["device_type"]] = _DEVICE_TYPES.index(kind) if kind in _DEVICE_TYPES else 0
+    host[_F["dtype"]] = agreement.dtype_code(source.dtype)
+    host[_F["device_type"]] = agreement.device_code(source.device)
     host[_F["needs_grad"]] = int(torch.is_grad_enabled() and any(t.requires_grad for t in sources))
     on_device = {}
     for name, value in (("global_tokens", batch.global_tokens), ("global_seqs", batch.global_seqs)):
@@ -150,20 +146,13 @@ def _descriptor(batch, error, has_positions, sources, entropy, ids: IdCheck | No
     return desc
 
 
-def _message(row: list[int]) -> str:
-    raw = struct.pack(f"<{_MSG_BYTES // 8}q", *row[len(_FIELDS) :])
-    return raw.rstrip(b"\0").decode("utf-8", "ignore")
-
-
 def _format(field: str, value: int) -> str:
-    if field == "dtype":
-        return str(_DTYPES[value]) if 0 < value < len(_DTYPES) else "?"
-    if field == "device_type":
-        return _DEVICE_TYPES[value]
+    if field in ("dtype", "device_type"):
+        return agreement.describe_code(field, value)
     if field == "inputs":
         return "{" + ", ".join(n for i, n in enumerate(_INPUTS) if value >> i & 1) + "}"
     if field in ("global_tokens", "global_seqs"):
-        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+        return repr(agreement.bits_float(value))
     if field.endswith("_kind"):
         return ("None", "a number", "a tensor")[value]
     if field in ("packed", "positions", "needs_grad"):
@@ -175,19 +164,10 @@ def _format(field: str, value: int) -> str:
 
 def _verdict(table: list[list[int]], ids_name: str | None) -> tuple[type[Exception], list[str]] | None:
     """The same ``(exception type, problems)`` on every rank, or None when the ranks agree."""
-    failed = [r for r, row in enumerate(table) if row[_F["error"]]]
-    if failed:
-        kinds = {table[r][_F["error"]] for r in failed}
-        exc = TypeError if kinds == {2} and len(failed) == len(table) else ValueError
-        by_message: dict[str, list[int]] = {}
-        for r in failed:
-            by_message.setdefault(_message(table[r]), []).append(r)
-        return exc, [
-            f"rank {ranks[0]} rejected its inputs: {msg}"
-            if len(ranks) == 1
-            else f"ranks {ranks} rejected their inputs: {msg}"
-            for msg, ranks in by_message.items()
-        ]
+    messages = [agreement.message(row[len(_FIELDS) :]) for row in table]
+    failed = agreement.rejected([row[_F["error"]] for row in table], messages)
+    if failed is not None:
+        return failed
     problems = []
     for field, words in _MUST_AGREE:
         values = [row[_F[field]] for row in table]
@@ -294,9 +274,7 @@ def agree_on_layout(
     like = sources[0] if sources and isinstance(sources[0], torch.Tensor) else None
     device = collective_device(group, like)
     desc = _descriptor(batch, error, has_positions, sources, entropy, ids, device)
-    parts = [torch.empty_like(desc) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, desc, group=group)
-    table = torch.stack(parts).cpu().tolist()  # the one host read of an agreeing call
+    table = agreement.gather_rows(desc, group, device)  # the one host read of an agreeing call
     verdict = _verdict(table, None if ids is None else ids.name)
     if verdict is not None:
         _raise_for(verdict, len(table), what, error)
