@@ -11,7 +11,8 @@ one check on every rank, with the rank's traceback on failure.
 Never hangs: the collectives time out (``_cp_worker.COLLECTIVE_TIMEOUT_S``), a failing rank exits
 and torchrun stops its peers, and the whole run is killed (its process group) after ``DEADLINE_S``.
 Each world size skips on a machine with fewer CUDA devices. On a CPU-only machine the 2-rank run
-goes through the same checks with gloo at tiny sizes (``cpu_smoke``; the CPU suite's own gloo tests
+goes through a subset of the checks with gloo at tiny sizes (``cpu_smoke``, ``SMOKE_CHECKS``: the
+plumbing of each path; the CPU suite's own gloo tests
 of context parallelism are ``tests/distributed/test_context_parallel.py``, which also run the
 meshes on 4 processes).
 """
@@ -44,6 +45,6 @@ def runs(tmp_path_factory):
     return runs_by_world(tmp_path_factory, "context_parallel", launch, cuda=not SMOKE)
 
 
-@pytest.mark.parametrize(("world", "check"), [(w, c) for w in WORLDS for c in _cp_worker.checks(w)])
+@pytest.mark.parametrize(("world", "check"), [(w, c) for w in WORLDS for c in _cp_worker.checks(w, SMOKE)])
 def test_check(runs, world, check):
     fail_unless_ok(*runs(world), check, f"on {world} ranks")
