@@ -9,7 +9,7 @@
 #   pytest          the whole test suite on the GPU (tests that skip without CUDA run here)
 #   gpu_suite       scripts/gpu_suite.sh: the tests marked gpu (real-size checks, tests/gpu), then
 #                   the multi_gpu ones with >= 2 GPUs; logs + JUnit XML in results/gpu_suite/
-#                   (its own limits are 480 s + 300 s: raise STEP_TIMEOUT to match)
+#                   (its own limits are 480 s + 540 s: raise STEP_TIMEOUT to match)
 #   consistency     scripts/gpu_consistency.sh         (rollout vs training log-probs, patched model)
 #   bench_logits    rlkernel bench logits (~3-4 min on an H100: give it STEP_TIMEOUT=420)
 #   bench_linear    rlkernel bench linear (~6-8 min on an H100: give it STEP_TIMEOUT=560)

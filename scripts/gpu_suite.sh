@@ -10,7 +10,8 @@
 #
 # Outputs in $OUT/gpu_suite (else /tmp/gpu_suite): env.log, <step>.log, <step>.xml (JUnit) and
 # summary.txt, which is also printed at the end. The steps time out after GPU_TIMEOUT s (default 480)
-# and MULTI_GPU_TIMEOUT s (300); with pytest-timeout installed each test also has TEST_TIMEOUT s (300).
+# and MULTI_GPU_TIMEOUT s (540: three torchrun runs on 2 GPUs, six with 4); with pytest-timeout installed
+# each test also has TEST_TIMEOUT s (300).
 # Without a GPU: RLKERNEL_GPU_SMOKE=1 bash scripts/gpu_suite.sh runs the same tests tiny on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +62,7 @@ for step in ${STEPS:-gpu multi_gpu}; do
       ;;
     multi_gpu)
       if [[ "$GPUS" -ge 2 || "${RLKERNEL_GPU_SMOKE:-0}" != "0" ]]; then
-        run_step multi_gpu "${MULTI_GPU_TIMEOUT:-300}" tests/multi_gpu -m multi_gpu
+        run_step multi_gpu "${MULTI_GPU_TIMEOUT:-540}" tests/multi_gpu -m multi_gpu
       else
         echo "=== multi_gpu: skipped ($GPUS CUDA device(s); needs 2)"
       fi

@@ -9,6 +9,7 @@ Importable as ``_rank_checks``: pytest puts ``tests/`` on ``sys.path`` (``tests`
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -66,6 +67,47 @@ def init_torchrun_group(smoke: bool, timeout_s: float):
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", timeout=timeout, device_id=device)
     return device
+
+
+def worker_args(doc: str) -> argparse.Namespace:
+    """A torchrun worker's command line: ``--out DIR`` (for ``rank<r>.json``) and ``--smoke``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
+    parser.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny sizes")
+    return parser.parse_args()
+
+
+def finish_torchrun_worker(checks, ctx: Any, out: str, rank: int, device) -> int:
+    """Run ``checks`` on a torchrun worker (``rank<r>.json`` in ``out``; CUDA memory freed between
+    checks); 1 on a failure (torchrun then stops the other ranks), else a clean shutdown and 0."""
+    import torch
+    import torch.distributed as dist
+
+    after_each = torch.cuda.empty_cache if device.type == "cuda" else None
+    if not run_checks(checks, ctx, os.path.join(out, f"rank{rank}.json"), after_each):
+        return 1
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def init_gloo_worker(rank: int, world: int, init_file: str, timeout_s: float) -> None:
+    """The process group of a spawned gloo worker (one thread: the workers share the CI machine's
+    2 cores), rendezvous through ``init_file``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+
+
+def rel(a, b) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (of detached tensors)."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def median_ms(fn: Callable[[], None], reps: int) -> float:
@@ -148,6 +190,25 @@ def run_torchrun(worker: Path, out: Path, world: int, deadline_s: float, smoke: 
         problem = f"the run did not finish within {deadline_s} s (killed)"
     tail = log.decode(errors="replace")[-4000:]
     return read_results(out, world), (f"{problem}; output tail:\n{tail}" if problem else None)
+
+
+def runs_by_world(tmp_path_factory, name: str, launch: Callable[[int, Path], tuple], *, cuda: bool):
+    """``run(world)`` for a module fixture: ``launch(world, out_dir)`` (a ``(results, problem)``
+    pair) once per world size, kept for the module; with ``cuda``, a world size larger than the
+    CUDA device count skips."""
+    done: dict[int, tuple] = {}
+
+    def run(world: int) -> tuple:
+        import pytest
+        import torch
+
+        if cuda and torch.cuda.device_count() < world:
+            pytest.skip(f"needs {world} CUDA devices (a CPU-only machine runs the checks tiny on gloo)")
+        if world not in done:
+            done[world] = launch(world, tmp_path_factory.mktemp(f"{name}_{world}"))
+        return done[world]
+
+    return run
 
 
 def fail_unless_ok(results: dict[int, dict[str, str]], problem: str | None, check: str, where: str) -> None:

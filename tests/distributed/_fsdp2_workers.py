@@ -17,7 +17,6 @@ import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import rlkernel as rk
-from _rank_checks import run_checks
+from _rank_checks import init_gloo_worker, run_checks
 
 from ._workers import COLLECTIVE_TIMEOUT_S, expect_same_error
 
@@ -483,14 +482,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
 
 def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Worker entry point (``torch.multiprocessing.start_processes``)."""
-    torch.set_num_threads(1)  # the workers share the CI machine's 2 cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    init_gloo_worker(rank, world, init_file, COLLECTIVE_TIMEOUT_S)
     path = os.path.join(out_dir, f"rank{rank}.json")
     passed = False
     try:

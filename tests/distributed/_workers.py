@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import rlkernel as rk
-from _rank_checks import run_checks
+from _rank_checks import init_gloo_worker, run_checks
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
 from rlkernel.reference import logprobs as ref
 
@@ -521,14 +520,7 @@ CHECKS: dict[str, Callable[[Ctx], None]] = {
 
 def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Worker entry point (``torch.multiprocessing.start_processes``)."""
-    torch.set_num_threads(1)  # 2–3 workers share the CI machine's 2 cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    init_gloo_worker(rank, world, init_file, COLLECTIVE_TIMEOUT_S)
     path = os.path.join(out_dir, f"rank{rank}.json")
     ctx = Ctx(rank=rank, world=world, group=dist.group.WORLD)
     if run_checks(CHECKS.items(), ctx, path):

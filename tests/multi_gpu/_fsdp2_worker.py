@@ -1,7 +1,8 @@
-"""The torchrun entry of ``test_fsdp2.py``: an FSDP2 LM head on NCCL, 2 GPUs, against one GPU.
+"""The torchrun entry of ``test_fsdp2.py``: an FSDP2 LM head on NCCL, 2 or 4 GPUs, against one GPU.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multi_gpu/_fsdp2_worker.py --out DIR
-    (add --smoke for gloo on the CPU at tiny sizes; the test runs this for you)
+    (--nproc_per_node=4: FSDP2 over 4 ranks; add --smoke for gloo on the CPU at tiny sizes; the test
+    runs these for you)
 
 Every rank runs :data:`CHECKS` in order and writes ``DIR/rank<r>.json`` (check name → ``"ok"`` or
 the traceback) after each one. On the first failure a rank writes its traceback and exits non-zero;
@@ -27,7 +28,6 @@ The reference is the unsharded model on one GPU (every rank computes it): the sa
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -44,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import rlkernel as rk
-from _rank_checks import init_torchrun_group, median_ms, run_checks
+from _rank_checks import finish_torchrun_worker, init_torchrun_group, median_ms, rel, worker_args
 
 COLLECTIVE_TIMEOUT_S = 120
 FULL = dict(vocab=151936, hidden=1024, batch=4, seq=1024)
@@ -69,10 +69,6 @@ class Ctx:
     out: str = ""
     cache: dict = field(default_factory=dict)
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 class TinyLM(torch.nn.Module):
@@ -309,22 +305,13 @@ CHECK_NAMES = tuple(checks())
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
-    parser.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny sizes")
-    args = parser.parse_args()
+    args = worker_args(__doc__)
     device = init_torchrun_group(args.smoke, COLLECTIVE_TIMEOUT_S)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     size = SMOKE if args.smoke else FULL
     ctx = Ctx(rank=rank, world=world, group=dist.group.WORLD, mesh=mesh, device=device, out=args.out, **size)
-    path = os.path.join(args.out, f"rank{rank}.json")
-    after_each = torch.cuda.empty_cache if device.type == "cuda" else None
-    if not run_checks(checks().items(), ctx, path, after_each):
-        return 1  # torchrun stops the other rank
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish_torchrun_worker(checks().items(), ctx, args.out, rank, device)
 
 
 if __name__ == "__main__":

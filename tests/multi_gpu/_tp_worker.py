@@ -1,7 +1,8 @@
 """The torchrun entry of ``test_tensor_parallel.py``: the vocab-parallel LM head on NCCL at real size.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/multi_gpu/_tp_worker.py --out DIR
-    (add --smoke for gloo on the CPU at tiny sizes; the test runs this for you)
+    python -m torch.distributed.run --standalone --nproc_per_node=4 tests/multi_gpu/_tp_worker.py --out DIR
+    (add --smoke for gloo on the CPU at tiny sizes; the test runs these for you)
 
 Every rank runs :data:`CHECKS` in order and writes ``DIR/rank<r>.json`` (check name → ``"ok"`` or
 the traceback) after each one. On the first failure a rank writes its traceback and exits non-zero;
@@ -9,7 +10,8 @@ torchrun then stops the other ranks, so a rank that waits in a collective for a 
 not hang (the collectives also time out after ``COLLECTIVE_TIMEOUT_S``).
 
 Workload: N = 8192 tokens, H = 4096, V = 151,936 (Qwen3) bf16, the LM head split unevenly
-76,000 / 75,936 over 2 ranks (other world sizes: an uneven split of the same V). Hidden states,
+76,000 / 75,936 over 2 ranks (other world sizes: an uneven split of the same V; on 4 ranks, TP = 4
+and also a 2 × 2 TP × DP mesh, :func:`mesh_tp_dp`). Hidden states,
 ids and the full weight are generated on rank 0 and broadcast (bitwise equal everywhere); every
 rank computes the unsharded fp32 reference (``rlkernel.reference``, chunked) itself and compares
 its shard with it.
@@ -25,7 +27,6 @@ Tolerances (max |Δ| of logp/entropy; ‖Δ‖/‖ref‖ of gradients):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernel as rk
-from _rank_checks import init_torchrun_group, median_ms, run_checks
+from _rank_checks import finish_torchrun_worker, init_torchrun_group, median_ms, rel, worker_args
 from rlkernel.distributed import global_normalizers, vocab_parallel_linear_token_logprobs
 from rlkernel.reference import logprobs as ref
 from rlkernel.rl.config import PRESETS
@@ -80,10 +81,6 @@ class Ctx:
             return "half" if self.device.type == "cuda" else "fp32"
         return tp_gemm
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def inputs(ctx: Ctx):
@@ -149,39 +146,101 @@ def tp_vs_unsharded(ctx: Ctx, tp_gemm: str, tp_elementwise: str) -> None:
     assert all_equal_across_ranks(ctx, dh), "dhidden differs across ranks"
 
 
+def rl_batch(ctx: Ctx) -> dict:
+    """The RL inputs of the fused checks (~20 % masked, one sequence fully masked, garbage ids at
+    masked positions), generated on rank 0 and broadcast: ``[batch, width]`` tensors."""
+    if "rl_batch" not in ctx.cache:
+        hidden, weight, ids = inputs(ctx)
+        batch, width = ctx.batch, ctx.n // ctx.batch
+        gen = torch.Generator(device=ctx.device).manual_seed(11)
+        mask = torch.rand(batch, width, device=ctx.device, generator=gen) > 0.2
+        mask[1] = False
+        dist.broadcast(mask, src=0, group=ctx.group)
+        ids2 = torch.where(mask, ids.view(batch, width).clamp_min(0), -1)  # garbage at masked positions
+        with torch.no_grad():
+            base = ref.linear_token_logprobs(hidden.view(batch, width, -1), weight, ids2.clamp_min(0))
+        old = base + 0.05 * torch.randn(batch, width, device=ctx.device, generator=gen)
+        ref_logp = base + 0.05 * torch.randn(batch, width, device=ctx.device, generator=gen)
+        adv = torch.randn(batch, device=ctx.device, generator=gen)
+        for t in (old, ref_logp, adv):
+            dist.broadcast(t, src=0, group=ctx.group)
+        rl = dict(token_ids=ids2, old_logp=old, advantages=adv, mask=mask, ref_logp=ref_logp)
+        ctx.cache["rl_batch"] = rl
+    return ctx.cache["rl_batch"]
+
+
+MESH_PRESETS = ("dapo", "grpo", "gspo")  # the 2 x 2 TP x DP mesh's (token-mean, seq-mean + KL, sequence)
+
+
+def fused_reference(ctx: Ctx, preset: str):
+    """The unsharded loss of the whole batch on the reference backend: (loss, dhidden, dweight);
+    kept for the mesh check of the same preset."""
+    key = ("fused_reference", preset)
+    if key in ctx.cache:
+        return ctx.cache[key]
+    hidden, weight, _ = inputs(ctx)
+    cfg = rk.PolicyLossConfig.preset(preset, entropy_coef=0.001)
+    hr = hidden.view(ctx.batch, ctx.n // ctx.batch, -1).clone().requires_grad_(True)
+    wr = weight.clone().requires_grad_(True)
+    with rk.use_backend("reference"):
+        out_r = rk.fused_policy_loss(cfg, hidden=hr, weight=wr, **rl_batch(ctx))
+    dh_r, dw_r = torch.autograd.grad(out_r.loss, [hr, wr])
+    result = out_r.loss.detach(), dh_r, dw_r
+    if ctx.world == 4 and preset in MESH_PRESETS:
+        ctx.cache[key] = result
+    return result
+
+
 def fused(ctx: Ctx, preset: str) -> None:
     """``fused_policy_loss(hidden=, weight=shard, tp_group=)`` for a preset (entropy bonus 1e-3, its
     own KL coefficient with ``ref_logp``, ~20 % masked, one sequence fully masked) against the
     unsharded loss on the reference backend."""
-    hidden, weight, ids = inputs(ctx)
+    hidden, weight, _ = inputs(ctx)
     batch, width = ctx.batch, ctx.n // ctx.batch
-    gen = torch.Generator(device=ctx.device).manual_seed(11)
-    mask = torch.rand(batch, width, device=ctx.device, generator=gen) > 0.2
-    mask[1] = False
-    dist.broadcast(mask, src=0, group=ctx.group)
-    ids2 = torch.where(mask, ids.view(batch, width).clamp_min(0), -1)  # garbage at masked positions
-    with torch.no_grad():
-        base = ref.linear_token_logprobs(hidden.view(batch, width, -1), weight, ids2.clamp_min(0))
-    old = base + 0.05 * torch.randn(batch, width, device=ctx.device, generator=gen)
-    ref_logp = base + 0.05 * torch.randn(batch, width, device=ctx.device, generator=gen)
-    adv = torch.randn(batch, device=ctx.device, generator=gen)
-    for t in (old, ref_logp, adv):
-        dist.broadcast(t, src=0, group=ctx.group)
     cfg = rk.PolicyLossConfig.preset(preset, entropy_coef=0.001)
-    kw = dict(token_ids=ids2, old_logp=old, advantages=adv, mask=mask, ref_logp=ref_logp)
     h = hidden.view(batch, width, -1).clone().requires_grad_(True)
     w = weight[ctx.rows].clone().requires_grad_(True)
-    out = rk.fused_policy_loss(cfg, hidden=h, weight=w, tp_group=ctx.group, validate=False, **kw)
+    out = rk.fused_policy_loss(cfg, hidden=h, weight=w, tp_group=ctx.group, validate=False, **rl_batch(ctx))
     dh, dw = torch.autograd.grad(out.loss, [h, w])
-    hr = hidden.view(batch, width, -1).clone().requires_grad_(True)
-    wr = weight.clone().requires_grad_(True)
-    with rk.use_backend("reference"):
-        out_r = rk.fused_policy_loss(cfg, hidden=hr, weight=wr, **kw)
-    dh_r, dw_r = torch.autograd.grad(out_r.loss, [hr, wr])
-    d_loss = abs(out.loss.item() - out_r.loss.item()) / max(abs(out_r.loss.item()), 1e-12)
-    assert d_loss <= LOSS_RTOL, f"loss {out.loss.item():.6f} vs {out_r.loss.item():.6f}"
+    loss_r, dh_r, dw_r = fused_reference(ctx, preset)
+    d_loss = abs(out.loss.item() - loss_r.item()) / max(abs(loss_r.item()), 1e-12)
+    assert d_loss <= LOSS_RTOL, f"loss {out.loss.item():.6f} vs {loss_r.item():.6f}"
     assert rel(dh, dh_r) <= GRAD_RTOL, f"dhidden rel {rel(dh, dh_r):.1e}"
     assert rel(dw, dw_r[ctx.rows]) <= GRAD_RTOL, f"dweight rel {rel(dw, dw_r[ctx.rows]):.1e}"
+
+
+def mesh_tp_dp(ctx: Ctx, preset: str) -> None:
+    """World 4 as a 2 (TP) × 2 (DP) mesh: TP groups {0, 1} {2, 3} (the vocabulary split 2 ways,
+    unevenly), DP groups {0, 2} {1, 3}, each DP rank half of the batch's sequences, normalizers from
+    ``global_normalizers`` over the DP group. Σ over DP of the loss = the whole batch's unsharded
+    loss; dhidden = its DP half's rows; Σ over DP of the dweight shard = its rows of the whole."""
+    if "mesh" not in ctx.cache:  # every rank creates every group, in the same order
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        ctx.cache["mesh"] = pairs[ctx.rank // 2], across[ctx.rank % 2]
+    tp, dp = ctx.cache["mesh"]
+    tp_rank, dp_rank = ctx.rank % 2, ctx.rank // 2
+    hidden, weight, _ = inputs(ctx)
+    batch, width = ctx.batch, ctx.n // ctx.batch
+    seqs = slice(dp_rank * batch // 2, (dp_rank + 1) * batch // 2)
+    first = ctx.vocab // 2 + ctx.vocab // 20
+    vocab_rows = slice(0, first) if tp_rank == 0 else slice(first, ctx.vocab)
+    mine = {k: v[seqs] for k, v in rl_batch(ctx).items()}
+    gt, gs = global_normalizers(mine["mask"], group=dp)
+    cfg = rk.PolicyLossConfig.preset(preset, entropy_coef=0.001)
+    h = hidden.view(batch, width, -1)[seqs].clone().requires_grad_(True)
+    w = weight[vocab_rows].clone().requires_grad_(True)
+    out = rk.fused_policy_loss(cfg, hidden=h, weight=w, tp_group=tp, global_tokens=gt, global_seqs=gs,
+                               validate=False, **mine)  # fmt: skip
+    dh, dw = torch.autograd.grad(out.loss, [h, w])
+    total = out.loss.detach().clone()
+    dist.all_reduce(total, group=dp)
+    dist.all_reduce(dw, group=dp)
+    loss_r, dh_r, dw_r = fused_reference(ctx, preset)
+    d_loss = abs(total.item() - loss_r.item()) / max(abs(loss_r.item()), 1e-12)
+    assert d_loss <= LOSS_RTOL, f"Σ over DP of the loss {total.item():.6f} vs whole {loss_r.item():.6f}"
+    assert rel(dh, dh_r[seqs]) <= GRAD_RTOL, f"dhidden rel {rel(dh, dh_r[seqs]):.1e}"
+    assert rel(dw, dw_r[vocab_rows]) <= GRAD_RTOL, f"Σ dweight rel {rel(dw, dw_r[vocab_rows]):.1e}"
 
 
 def check_error_path(ctx: Ctx) -> None:
@@ -269,8 +328,9 @@ def check_timing_tp_vs_single_gpu(ctx: Ctx) -> None:
                 json.dump(info, f, indent=1)
 
 
-def checks(smoke: bool) -> dict[str, Callable[[Ctx], None]]:
-    """Every check, in run order, by the name the test reports."""
+def checks(smoke: bool, world: int = 2) -> dict[str, Callable[[Ctx], None]]:
+    """Every check of a ``world``-rank run, in run order, by the name the test reports (on 4 ranks
+    also the 2 × 2 TP × DP mesh)."""
     out: dict[str, Callable[[Ctx], None]] = {}
     for gemm, ew in GEMM_MODES + (SMOKE_GEMM_MODES if smoke else ()):
         out[f"tp_vs_unsharded[gemm={gemm},elementwise={ew}]"] = lambda ctx, g=gemm, e=ew: tp_vs_unsharded(
@@ -278,21 +338,17 @@ def checks(smoke: bool) -> dict[str, Callable[[Ctx], None]]:
         )
     for preset in PRESETS:  # every loss type: token-level (fused engine) and sequence-level (composed)
         out[f"fused_{preset}_vs_unsharded"] = lambda ctx, p=preset: fused(ctx, p)
+    if world == 4:
+        for preset in MESH_PRESETS:
+            out[f"mesh_tp2_dp2_{preset}"] = lambda ctx, p=preset: mesh_tp_dp(ctx, p)
     out["error_path_every_rank_raises"] = check_error_path
     out["global_normalizers"] = check_global_normalizers
     out["timing_tp_vs_single_gpu"] = check_timing_tp_vs_single_gpu
     return out
 
 
-CHECK_NAMES = tuple(checks(smoke=False))
-SMOKE_CHECK_NAMES = tuple(checks(smoke=True))
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
-    parser.add_argument("--smoke", action="store_true", help="gloo on the CPU, tiny sizes")
-    args = parser.parse_args()
+    args = worker_args(__doc__)
     device = init_torchrun_group(args.smoke, COLLECTIVE_TIMEOUT_S)
     rank, world = dist.get_rank(), dist.get_world_size()
     size = dict(SMOKE if args.smoke else FULL)
@@ -303,12 +359,7 @@ def main() -> int:
         split[-1] -= 7
         size["split"] = tuple(split)
     ctx = Ctx(rank=rank, world=world, group=dist.group.WORLD, device=device, out=args.out, **size)
-    path = os.path.join(args.out, f"rank{rank}.json")
-    if not run_checks(checks(args.smoke).items(), ctx, path):
-        return 1  # torchrun stops the other ranks
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish_torchrun_worker(checks(args.smoke, world).items(), ctx, args.out, rank, device)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@
 :func:`~rlkernel.ops.vocab_parallel.vocab_parallel_linear_token_logprobs` runs before any data
 collective: each rank runs the local checks of ``linear_token_logprobs`` and builds an int64
 descriptor of its call (:data:`_FIELDS`: its local error and message, N, H, V_r, dtype, …, the ids'
-checksum and range); one ``all_gather``
-(:func:`_gather`, the one host read per call) gives every rank the same table, from which every rank
-computes the same verdict and raises the same error (:func:`_verdict`, :func:`_raise_for`,
-:func:`_check_global_range`). What passes comes back as a :class:`ShardLayout`.
+checksum and range); one ``all_gather`` (``rlkernel._rank_agreement.gather_rows``, the one host
+read per call) gives every rank the same table, from which every rank computes the same verdict
+and raises the same error (:func:`_verdict`, :func:`_raise_for`, :func:`_check_global_range`).
+What passes comes back as a :class:`ShardLayout`.
 
 :func:`check_group` and :func:`collective_device` are shared with
 :func:`rlkernel.distributed.global_normalizers`. The protocol is documented for users in
@@ -17,11 +17,11 @@ computes the same verdict and raises the same error (:func:`_verdict`, :func:`_r
 from __future__ import annotations
 
 import dataclasses
-import struct
 
 import torch
 import torch.distributed as dist
 
+from rlkernel import _rank_agreement as agreement
 from rlkernel import _validate as check
 from rlkernel.ops.checks import check_linear_inputs
 
@@ -44,12 +44,9 @@ _FIELDS = (
     "id_max",
 )
 _F = {name: i for i, name in enumerate(_FIELDS)}
-_MSG_BYTES = 384  # a local error's message travels in the descriptor, truncated to this many bytes
-_DESC_LEN = len(_FIELDS) + _MSG_BYTES // 8
+_DESC_LEN = len(_FIELDS) + agreement.MSG_WORDS  # the fields, then a local error's message
 _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
-_DTYPES = (None,) + check.FLOAT_DTYPES
-_DEVICE_TYPES = ("other", "cpu", "cuda")
 # Fields that must agree across ranks, with the words used in the error message.
 _MUST_AGREE = (
     ("n", "token count N = hidden.shape[:-1].numel()"),
@@ -66,21 +63,11 @@ _MUST_AGREE = (
 )
 
 
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _bits_float(b: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", b))[0]
-
-
 def _format(field: str, value: int) -> str:
-    if field == "dtype":
-        return str(_DTYPES[value]) if 0 < value < len(_DTYPES) else "?"
-    if field == "device_type":
-        return _DEVICE_TYPES[value]
+    if field in ("dtype", "device_type"):
+        return agreement.describe_code(field, value)
     if field == "temperature":
-        return repr(_bits_float(value))
+        return repr(agreement.bits_float(value))
     if field in ("has_bias", "return_entropy", "hidden_grad"):
         return str(bool(value))
     return str(value)
@@ -140,19 +127,16 @@ def _descriptor(hidden, weight, bias, ids, temperature, ignore_index, return_ent
     """This rank's int64 descriptor (on the ids' device when the local checks passed)."""
     host = [0] * _DESC_LEN
     if error is not None:
-        host[_F["error"]] = 2 if isinstance(error, TypeError) else 1
-        raw = str(error).encode("utf-8")[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
-        host[len(_FIELDS) :] = list(struct.unpack(f"<{_MSG_BYTES // 8}q", raw))
+        host[_F["error"]] = agreement.error_code(error)
+        host[len(_FIELDS) :] = agreement.message_words(error)
         return torch.tensor(host, dtype=torch.int64)
     host[_F["n"]] = ids.numel()
     host[_F["hidden_size"]] = hidden.shape[-1]
     host[_F["vocab_local"]] = weight.shape[0]
-    host[_F["dtype"]] = _DTYPES.index(hidden.dtype)
-    host[_F["device_type"]] = (
-        _DEVICE_TYPES.index(hidden.device.type) if hidden.device.type in _DEVICE_TYPES else 0
-    )
+    host[_F["dtype"]] = agreement.dtype_code(hidden.dtype)
+    host[_F["device_type"]] = agreement.device_code(hidden.device)
     host[_F["has_bias"]] = int(bias is not None)
-    host[_F["temperature"]] = _float_bits(float(temperature))
+    host[_F["temperature"]] = agreement.float_bits(float(temperature))
     host[_F["ignore_index"]] = int(ignore_index)
     host[_F["return_entropy"]] = int(bool(return_entropy))
     host[_F["hidden_grad"]] = int(hidden.requires_grad and torch.is_grad_enabled())
@@ -162,33 +146,12 @@ def _descriptor(hidden, weight, bias, ids, temperature, ignore_index, return_ent
     return desc
 
 
-def _gather(desc: torch.Tensor, group: object, device: torch.device) -> list[list[int]]:
-    desc = desc.to(device)
-    parts = [torch.empty_like(desc) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, desc, group=group)
-    return torch.stack(parts).cpu().tolist()  # the one host read per call
-
-
-def _message(row: list[int]) -> str:
-    raw = struct.pack(f"<{_MSG_BYTES // 8}q", *row[len(_FIELDS) :])
-    return raw.rstrip(b"\0").decode("utf-8", "ignore")
-
-
 def _verdict(table: list[list[int]]) -> tuple[type[Exception], list[str]] | None:
     """The same ``(exception type, problems)`` on every rank, or ``None`` when the layout agrees."""
-    failed = [r for r, row in enumerate(table) if row[_F["error"]]]
-    if failed:
-        kinds = {table[r][_F["error"]] for r in failed}
-        exc = TypeError if kinds == {2} and len(failed) == len(table) else ValueError
-        by_message: dict[str, list[int]] = {}
-        for r in failed:
-            by_message.setdefault(_message(table[r]), []).append(r)
-        return exc, [
-            f"rank {ranks[0]} rejected its inputs: {msg}"
-            if len(ranks) == 1
-            else f"ranks {ranks} rejected their inputs: {msg}"
-            for msg, ranks in by_message.items()
-        ]
+    messages = [agreement.message(row[len(_FIELDS) :]) for row in table]
+    failed = agreement.rejected([row[_F["error"]] for row in table], messages)
+    if failed is not None:
+        return failed
     problems = []
     for field, words in _MUST_AGREE:
         values = [row[_F[field]] for row in table]
@@ -276,7 +239,7 @@ def agree_across_ranks(
     desc = _descriptor(
         hidden, weight, bias, ids, temperature, ignore_index, return_entropy, chunk_rows, error
     )
-    table = _gather(desc, tp_group, collective_device(tp_group, hidden))
+    table = agreement.gather_rows(desc, tp_group, collective_device(tp_group, hidden))
     verdict = _verdict(table)
     if verdict is not None:
         _raise_for(verdict, len(table), error)

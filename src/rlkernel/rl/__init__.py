@@ -9,6 +9,9 @@ covariance   clip_cov / kl_cov token selection (verl's)
 rollout      rollout-mismatch correction weights (TIS / MIS, token / sequence, batch-normalized), rejection
 masks        TRL's off-policy sequence mask and top-entropy-quantile mask
 batch        validate_batch: every input checked once -> LossBatch
+context_parallel, context_parallel_checks
+             cp_group: the reductions across ranks that hold slices of every sequence, and the
+             cross-rank check of a call's layout
 token_loss   the token-level plan of the fused path
 loss         policy_loss -> PolicyLossOutput(loss, metrics)
 fused        fused_policy_loss: the same loss from logits or hidden states

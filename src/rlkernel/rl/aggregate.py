@@ -137,24 +137,42 @@ def finite_or_nan(x: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, x, x + float("nan") if x.requires_grad else float("nan"))
 
 
-def seq_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[S, L]`` → ``[S]``: Σ_t m_it x_it."""
-    return masked(x, mask).sum(-1)
+def seq_sum(x: torch.Tensor, mask: torch.Tensor, cp=None) -> torch.Tensor:
+    """``[S, L]`` → ``[S]``: Σ_t m_it x_it over the whole sequence.
+
+    With ``cp`` (a :class:`rlkernel.rl.context_parallel.ContextParallel`: each rank holds a slice
+    of every sequence) this rank's sum is all-reduced over the group, differentiably: the one place
+    every sequence-level quantity of the algebra is summed across ranks. (``cp`` is untyped here:
+    that module imports this one.)
+    """
+    local = masked(x, mask).sum(-1)
+    return local if cp is None else cp.sum(local)
 
 
-def seq_count(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[S, L]`` bool → ``[S]``: n_i = number of active tokens of each sequence, as ``dtype``."""
-    return mask.sum(-1).to(dtype)
+def seq_count(mask: torch.Tensor, dtype: torch.dtype, cp=None) -> torch.Tensor:
+    """``[S, L]`` bool → ``[S]``: n_i = number of active tokens of each sequence (over every rank
+    of ``cp``), as ``dtype``."""
+    counts = mask.sum(-1) if cp is None else cp.seq_count(mask)
+    return counts.to(dtype)
 
 
-def seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def seq_any(mask: torch.Tensor, cp=None) -> torch.Tensor:
+    """``[S, L]`` bool → ``[S]`` bool: the sequence has an active token (on any rank of ``cp``)."""
+    return mask.any(-1) if cp is None else cp.seq_count(mask) > 0
+
+
+def seq_mean(x: torch.Tensor, mask: torch.Tensor, cp=None) -> torch.Tensor:
     """``[S]``: Σ_t m x / n_i, and exactly 0 for a sequence without active tokens."""
-    return seq_sum(x, mask) / seq_count(mask, x.dtype).clamp_min(1)
+    return seq_sum(x, mask, cp) / seq_count(mask, x.dtype, cp).clamp_min(1)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over ``mask`` (any shape); exactly 0 when nothing is active."""
-    return masked(x, mask).sum() / mask.sum().to(x.dtype).clamp_min(1)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, cp=None) -> torch.Tensor:
+    """Mean of ``x`` over ``mask`` (any shape); exactly 0 when nothing is active. With ``cp`` the
+    mean over every rank's tokens (``x`` a per-token ``[S, L_r]`` slice; not differentiable)."""
+    total, count = masked(x, mask).sum(), mask.sum()
+    if cp is not None:
+        total, count = cp.sum(total.detach()), cp.sum(count)
+    return total / count.to(x.dtype).clamp_min(1)
 
 
 def _global_divisor(value: Normalizer, like: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | float:
@@ -188,6 +206,7 @@ def aggregate(
     global_seqs: Normalizer = None,
     norm_length: int | None = None,
     width: int = 1,
+    cp=None,
 ) -> torch.Tensor:
     """Reduce a per-token ``[S, L]`` loss to a scalar with one of :data:`AGGREGATIONS`.
 
@@ -201,7 +220,11 @@ def aggregate(
         global_seqs: the sequence normalizer of the ``seq-mean-*`` modes; the local number of
             sequences with at least one active token when ``None``.
         norm_length: the length constant of ``seq-mean-token-sum-norm``; ``width`` when ``None``.
-        width: L, the padded width (used only as the default ``norm_length``).
+        width: L, the padded width (used only as the default ``norm_length``; with ``cp``, the
+            unsplit batch's).
+        cp: context parallelism: ``loss`` and ``mask`` are this rank's slice of every sequence;
+            the local counts (n_i, the active tokens and sequences) are those of every rank, and
+            the result is this rank's share of the unsplit loss (the shares add up to it).
 
     Returns:
         0-dim tensor of ``loss.dtype``; exactly 0 (with zero gradients) when nothing is active, with
@@ -212,13 +235,13 @@ def aggregate(
     if mode == "token-sum":
         return masked(loss, mask).sum()
     if mode == "token-mean":
-        tokens = (
-            mask.sum().to(dtype).clamp_min(1)
-            if global_tokens is None
-            else _global_divisor(global_tokens, loss, mask)
-        )
+        if global_tokens is None:
+            count = mask.sum() if cp is None else cp.sum(mask.sum())
+            tokens = count.to(dtype).clamp_min(1)
+        else:
+            tokens = _global_divisor(global_tokens, loss, mask)
         return masked(loss, mask).sum() / tokens
-    counts = seq_count(mask, dtype)
+    counts = seq_count(mask, dtype, cp)
     if global_seqs is None:
         seqs = (counts > 0).sum().to(dtype).clamp_min(1)
     else:

@@ -9,10 +9,17 @@ configuration requires); ``cu_seqlens`` is read on the host once, here, and kept
 
 The error messages name the per-token tensor every other input is checked against: ``logp`` in
 ``policy_loss``, ``token_ids`` in ``fused_policy_loss``.
+
+With a ``cp_group`` (context parallelism: each rank holds a slice of every sequence) the local
+checks run inside a cross-rank check (:mod:`rlkernel.rl.context_parallel_checks`): an error on any
+rank, or a layout the ranks do not share, raises the same error on every rank, and the batch that
+comes back carries the agreed :class:`~rlkernel.rl.context_parallel.ContextParallel` (``cp``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +27,8 @@ import torch
 from rlkernel import _validate as check
 from rlkernel.rl.aggregate import Segments
 from rlkernel.rl.config import PolicyLossConfig
+from rlkernel.rl.context_parallel import ContextParallel
+from rlkernel.rl.context_parallel_checks import IdCheck, agree_on_layout
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,10 @@ class LossBatch:
             ``cfg.rollout_correction``).
         global_tokens, global_seqs: normalizers (None, a finite number >= 0, or a 0-dim tensor).
         cu_seqlens: int ``[S + 1]`` for packed input, else None.
+        advantages_ambiguous: a context-parallel rank's packed ``[N]`` advantages with N = S, which
+            read alike per sequence and per token here: the group's other ranks decide
+            (:func:`validate_batch`); never True in a batch it returns.
+        cp: the context-parallel group and layout (None: the call holds whole sequences).
     """
 
     cfg: PolicyLossConfig
@@ -59,6 +72,8 @@ class LossBatch:
     cu_seqlens: torch.Tensor | None
     rollout_weights: torch.Tensor | None = None
     advantages_per_seq: bool = False
+    advantages_ambiguous: bool = False
+    cp: ContextParallel | None = None
 
     @property
     def token_shape(self) -> tuple[int, ...]:
@@ -88,6 +103,31 @@ def segments_for(like: torch.Tensor, cu_seqlens: object, *, name: str = "logp") 
     )
 
 
+@dataclass(frozen=True)
+class CallChecks:
+    """What a context-parallel call adds to :func:`validate_batch`'s cross-rank check.
+
+    Attributes:
+        sources: the tensors the log-probs come from (``logp``; the logits; hidden, weight, bias):
+            the first one's dtype and device type, and whether any needs a gradient, must agree
+            across the ranks.
+        error: a check of the caller that failed before :func:`validate_batch` (raised on every
+            rank by the cross-rank check), or None.
+        later: the caller's checks that come after the batch's (run inside the cross-rank check).
+        entropy: whether ``entropy`` is given (``policy_loss``), else None.
+        vocab: ``fused_policy_loss``: check the active ids against ``[0, vocab)`` in the cross-rank
+            check; None: no id check there.
+        what: the call's name in errors.
+    """
+
+    sources: tuple
+    error: Exception | None = None
+    later: Callable[[], None] | None = None
+    entropy: bool | None = None
+    vocab: int | None = None
+    what: str = "policy_loss"
+
+
 def validate_batch(
     cfg: PolicyLossConfig,
     like: torch.Tensor,
@@ -102,6 +142,9 @@ def validate_batch(
     global_seqs: object = None,
     cu_seqlens: object = None,
     like_name: str = "logp",
+    cp_group: object = None,
+    cp_positions: object = None,
+    cp_checks: CallChecks | None = None,
 ) -> LossBatch:
     """Check a loss call's per-token inputs against ``like`` (``logp``, or the token ids).
 
@@ -112,16 +155,83 @@ def validate_batch(
         old_logp, advantages, mask, ref_logp, rollout_logp, rollout_weights, global_tokens,
             global_seqs, cu_seqlens: as in :func:`rlkernel.policy_loss` (``old_logp=None``:
             on-policy).
+        cp_group: a context-parallel process group, or None (a collective when given: see the
+            module docstring).
+        cp_positions: int, the shape of ``like``: each token's position in its sequence (with
+            ``cp_group`` only; None: contiguous slices in rank order).
+        cp_checks: what the caller adds to the cross-rank check (:class:`CallChecks`); by default
+            ``like`` is the only source.
 
     Returns:
-        :class:`LossBatch`.
+        :class:`LossBatch` (with ``cp`` under a ``cp_group``).
 
     Raises:
         TypeError: ``cfg`` not a ``PolicyLossConfig``; a non-tensor or wrong-dtype input.
         ValueError: shape/device mismatches, bad ``cu_seqlens``, an input ``cfg`` needs missing,
             ``rollout_weights`` with ``cfg.rollout_correction``, a bad normalizer, advantages
-            neither per sequence nor per token.
+            neither per sequence nor per token, ``cp_positions`` without ``cp_group``. Under a
+            ``cp_group`` every rank raises the same error when any rank's checks fail or the ranks
+            disagree (:mod:`rlkernel.rl.context_parallel_checks`).
     """
+    local = dict(
+        old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, rollout_logp=rollout_logp,
+        rollout_weights=rollout_weights, global_tokens=global_tokens, global_seqs=global_seqs,
+        cu_seqlens=cu_seqlens, like_name=like_name,
+    )  # fmt: skip
+    if cp_group is None:
+        if cp_positions is not None:
+            raise ValueError("cp_positions applies with cp_group only (a context-parallel slice's positions)")
+        return _local_batch(cfg, like, **local)
+    calls = cp_checks if cp_checks is not None else CallChecks(sources=(like,))
+    error, batch, positions, ids = calls.error, None, None, None
+    if error is None:
+        try:
+            batch = _local_batch(cfg, like, **local, ambiguous_ok=True)
+            if cp_positions is not None:
+                positions = check.int_tensor("cp_positions", cp_positions)
+                check.same_shape("cp_positions", positions, like_name, like.shape)
+                check.same_device("cp_positions", positions, like_name, like.device)
+            if calls.later is not None:
+                calls.later()
+        except (TypeError, ValueError) as err:
+            error = err
+    if error is None and calls.vocab is not None:
+        ids = IdCheck("token_ids (at active mask positions)", like, batch.mask != 0, calls.vocab)
+    cp = agree_on_layout(
+        cp_group,
+        batch=batch,
+        error=error,
+        positions=positions,
+        has_positions=cp_positions is not None,
+        sources=calls.sources,
+        entropy=calls.entropy,
+        ids=ids,
+        what=calls.what,
+    )
+    return dataclasses.replace(
+        batch, cp=cp, advantages_per_seq=cp.advantages_per_seq, advantages_ambiguous=False
+    )
+
+
+def _local_batch(
+    cfg: PolicyLossConfig,
+    like: torch.Tensor,
+    *,
+    old_logp: object,
+    advantages: object,
+    mask: object,
+    ref_logp: object = None,
+    rollout_logp: object = None,
+    rollout_weights: object = None,
+    global_tokens: object = None,
+    global_seqs: object = None,
+    cu_seqlens: object = None,
+    like_name: str = "logp",
+    ambiguous_ok: bool = False,
+) -> LossBatch:
+    """:func:`validate_batch` on this rank alone (no collective). ``ambiguous_ok``: a
+    context-parallel rank's packed advantages that read alike per sequence and per token are
+    marked (``advantages_ambiguous``) for the group to decide, instead of raising."""
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
     device = like.device
@@ -152,7 +262,9 @@ def validate_batch(
         )
     adv = check.float_tensor("advantages", advantages)
     check.same_device("advantages", adv, like_name, device)
-    per_seq = advantages_layout(adv, seg, like_name)
+    per_seq = advantages_layout(adv, seg, like_name, ambiguous_ok=ambiguous_ok)
+    ambiguous = per_seq is None
+    per_seq = bool(per_seq)
     if per_seq and adv.dim() == 2:
         adv = adv.view(seg.n_seqs)  # packed [S, 1]
     return LossBatch(
@@ -169,10 +281,13 @@ def validate_batch(
         cu_seqlens=cu_seqlens,
         rollout_weights=rollout_weights,
         advantages_per_seq=per_seq,
+        advantages_ambiguous=ambiguous,
     )
 
 
-def advantages_layout(adv: torch.Tensor, seg: Segments, like_name: str = "logp") -> bool:
+def advantages_layout(
+    adv: torch.Tensor, seg: Segments, like_name: str = "logp", *, ambiguous_ok: bool = False
+) -> bool | None:
     """Whether ``adv`` holds one advantage per sequence (True) or one per token (False).
 
     Padded ``[B, T]`` input: ``[B]`` per sequence, ``[B, T]`` per token. Packed ``[N]`` input with
@@ -182,13 +297,19 @@ def advantages_layout(adv: torch.Tensor, seg: Segments, like_name: str = "logp")
     > 1) and the call raises, naming the two unambiguous forms (issue 29: such a call was read per
     token, silently, whatever was meant).
 
+    ``ambiguous_ok`` (a context-parallel rank's slice, whose emptiness says nothing of the whole
+    sequences): None for a packed 1-D ``[N]``, N = S, whatever the lengths; the group's other ranks
+    decide.
+
     Raises:
-        ValueError: any other shape; the ambiguous packed ``[N]``, N = S.
+        ValueError: any other shape; the ambiguous packed ``[N]``, N = S (not ``ambiguous_ok``).
     """
     shape, n_seqs = tuple(adv.shape), seg.n_seqs
     token_shape = seg.token_shape
     if seg.is_packed and shape == (n_seqs, 1):
         return True
+    if ambiguous_ok and seg.is_packed and shape == token_shape == (n_seqs,):
+        return None
     if shape == token_shape and shape == (n_seqs,) and seg.max_len > 1:
         raise ValueError(
             f"advantages of shape ({n_seqs},) are ambiguous: the packed {like_name} has as many tokens "

@@ -87,3 +87,46 @@ def kl_cov_selection(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, 
         top = torch.topk(cov, _count(mask, ratio), largest=True).indices
         chosen[active[top.to(active.device)]] = True
     return chosen.reshape(mask.shape)
+
+
+@torch.no_grad()
+def clip_cov_cut(
+    adv: torch.Tensor,
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    candidates: torch.Tensor,
+    ratio: float,
+    lb: float,
+    ub: float,
+    cp=None,
+) -> torch.Tensor:
+    """bool ``[S, L]``: ``clip_cov``'s cut (:func:`covariance` then :func:`clip_cov_selection`).
+
+    With ``cp`` (context parallelism: the tensors are this rank's slice of every sequence) the
+    selection is the unsplit batch's: every rank's values are gathered into the unsplit ``[S, L]``
+    layout (``ContextParallel.to_global``: the same values in the same order, so the same means,
+    candidates and draw), the draw of group rank 0 is broadcast (each rank draws too, advancing its
+    generator as the unsplit call would), and each rank keeps its own positions.
+    """
+    if cp is None:
+        cov = covariance(adv, logp, mask)
+        return clip_cov_selection(cov, candidates, mask, ratio, lb, ub)
+    adv_g, logp_g = cp.to_global(adv.detach()), cp.to_global(logp.detach())
+    mask_g, candidates_g = cp.to_global(mask, False), cp.to_global(candidates, False)
+    cut = clip_cov_selection(covariance(adv_g, logp_g, mask_g), candidates_g, mask_g, ratio, lb, ub)
+    return cp.to_local(cp.broadcast(cut), False)
+
+
+@torch.no_grad()
+def kl_cov_chosen(
+    adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, ratio: float, cp=None
+) -> torch.Tensor:
+    """bool ``[S, L]``: :func:`kl_cov_selection`; with ``cp`` over the unsplit batch (its values
+    gathered as in :func:`clip_cov_cut`; the selection is deterministic, so every rank makes the
+    same one), each rank keeping its own positions."""
+    if cp is None:
+        return kl_cov_selection(adv, logp, mask, ratio)
+    gathered = kl_cov_selection(
+        cp.to_global(adv.detach()), cp.to_global(logp.detach()), cp.to_global(mask, False), ratio
+    )
+    return cp.to_local(gathered, False)

@@ -44,6 +44,12 @@ on-policy rollout corrections/rejection keep the composed path (``token_loss.is_
 Caveats:
     * The caller aligns logits with ids (``logits[:, :-1]`` predicts ``ids[:, 1:]``); strided views
       are fine.
+    * ``cp_group`` (context parallelism, :mod:`rlkernel.rl.context_parallel`): the token-level
+      plan's per-token constants come from sums reduced over the group (the host-built plan: the
+      device-built one counts one rank's mask); gspo, gspo_token and gmpo from logits take the
+      autograd coefficients, never the closed-form sequence kernel (it sums each sequence in one
+      program and cannot see the other ranks' tokens); the linear path builds its plan before the
+      first chunk (its collectives must run on a rank without a chunk too).
     * ``tp_group`` (vocab-parallel LM head) is forwarded to ``linear_token_logprobs`` and works only
       on the hidden-state path. A DTensor LM head (FSDP2) is gathered first
       (``rlkernel.ops._dtensor_weight``), not with ``tp_group``.
@@ -80,7 +86,7 @@ from rlkernel.ops.routes import Route
 from rlkernel.ops.token_loss import IGNORE_INDEX, LossCoefficients, TokenLossTerms
 from rlkernel.ops.token_loss import token_loss as token_loss_op
 from rlkernel.rl import seq_token_loss, token_loss
-from rlkernel.rl.batch import LossBatch, validate_batch
+from rlkernel.rl.batch import CallChecks, LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
 from rlkernel.rl.routes import choose_route, route_facts
@@ -89,6 +95,28 @@ from rlkernel.rl.routes import choose_route, route_facts
 def _wants_entropy(cfg: PolicyLossConfig) -> bool:
     """Whether the loss reads the entropy: an entropy term, or the top-entropy-quantile mask."""
     return cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1
+
+
+def _cp_checks(logits, hidden, weight, bias, token_ids, temperature, tp_group, validate) -> CallChecks:
+    """A context-parallel call's source checks, made inside the cross-rank check (any rank's error
+    raised on every rank): the logits' or hidden states' checks, and the id check against V (the
+    vocab-parallel primitive checks ids against the global V itself)."""
+    error, vocab = None, None
+    try:
+        check.int_tensor("token_ids", token_ids)
+        if logits is not None:
+            check.float_tensor("logits", logits, min_dim=1)
+            check_common("logits", logits, token_ids, temperature, IGNORE_INDEX)
+            vocab = logits.shape[-1]
+        elif tp_group is None:
+            check_linear_inputs(hidden, weight, token_ids, bias, temperature, IGNORE_INDEX)
+            vocab = weight.shape[0]
+    except (TypeError, ValueError) as err:
+        error = err
+    sources = (logits,) if logits is not None else tuple(t for t in (hidden, weight, bias) if t is not None)
+    return CallChecks(
+        sources=sources, error=error, vocab=vocab if validate else None, what="fused_policy_loss"
+    )
 
 
 def _check_source(logits, hidden, weight, bias, tp_group) -> None:
@@ -149,6 +177,8 @@ def fused_policy_loss(
     inplace_backward: bool = False,
     invariant: bool = False,
     logits_dtype: torch.dtype | None = None,
+    cp_group: object | None = None,
+    cp_positions: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The RL loss from logits or hidden states; same result as ``policy_loss(token_logprobs(...))``.
 
@@ -166,6 +196,13 @@ def fused_policy_loss(
             :func:`rlkernel.linear_token_logprobs`.
         temperature: the sampling temperature (> 0) applied to the logits.
         tp_group: vocab-parallel process group (hidden path only; see ``linear_token_logprobs``).
+        cp_group, cp_positions: context parallelism, as in :func:`rlkernel.policy_loss` (each rank
+            holds a slice of the token positions of every sequence: ``token_ids``, the logits or
+            hidden states and every per-token input are this rank's slice). With ``tp_group``
+            too, the ranks of one TP group hold the same slice. A collective: every rank of
+            ``cp_group`` makes the call, runs the backward and reads the metrics (or none does).
+            Under ``cp_group`` the id check (``validate``) and every input check run inside one
+            cross-rank check: any rank's error is raised on every rank.
         validate: check that active ids are in ``[0, V)``; ``False`` skips it. No host sync on the
             Triton path on CUDA: a bad id makes the loss NaN at once and its ``ValueError`` is
             raised by a later call (see ``token_logprobs``'s ``validate``); elsewhere it raises
@@ -206,7 +243,11 @@ def fused_policy_loss(
         # before the dtype checks (fp32 shards with half hidden states are cast to hidden's dtype).
         hidden, weight, bias = _dtensor_weight.local_lm_head(hidden, weight, bias, tp_group=tp_group)
     inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
-    token_ids = check.int_tensor("token_ids", token_ids)
+    cp_checks = None
+    if cp_group is None:
+        token_ids = check.int_tensor("token_ids", token_ids)
+    else:  # the source checks first, inside the cross-rank check
+        cp_checks = _cp_checks(logits, hidden, weight, bias, token_ids, temperature, tp_group, validate)
     batch = validate_batch(
         cfg,
         token_ids,
@@ -220,6 +261,9 @@ def fused_policy_loss(
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
         like_name="token_ids",
+        cp_group=cp_group,
+        cp_positions=cp_positions,
+        cp_checks=cp_checks,
     )
     tp = tp_group is not None
     if logits is not None:
@@ -258,8 +302,9 @@ def _id_check(call: _Call, route: Route, active: torch.Tensor):
     """The id check around a route's launches (active positions only, none exempt: an active id
     equal to IGNORE_INDEX is an error, sent to the kernels as -1: a NaN log-prob meanwhile):
     deferred after the kernels on the Triton kernels, before them elsewhere. The vocab-parallel
-    primitive checks the ids itself, across ranks."""
-    if not call.validate or call.tp_group is not None:
+    primitive checks the ids itself, across ranks; under ``cp_group`` they were checked inside the
+    cross-rank check."""
+    if not call.validate or call.tp_group is not None or call.batch.cp is not None:
         return contextlib.nullcontext()
     return id_checks.token_ids_checked(
         "token_ids (at active mask positions)", call.token_ids, call.vocab, None,
@@ -411,10 +456,11 @@ def _hidden_token(route: Route, call: _Call) -> PolicyLossOutput:
     masked = _masked(call)
     batch = call.batch
     want_entropy = batch.cfg.entropy_coef != 0
-    if batch.cfg.rollout_rs is None:
+    if batch.cfg.rollout_rs is None and batch.cp is None:
         # The plan's ids are the masked ids: build the plan (~20 small launches of host time) on the
         # first chunk's coefficients, after that chunk's logits GEMM was queued, instead of before
-        # it, while the GPU would wait.
+        # it, while the GPU would wait. (Context parallelism: its collectives must run on every
+        # rank, also one without a chunk: the plan first.)
         ids, coef_fn = masked[0].reshape(-1), _lazy_coef_fn(batch, masked)
     else:  # rollout rejection drops tokens from the ids: the plan first
         plan = token_loss.plan_from_batch(batch, masked)

@@ -59,6 +59,11 @@ With ``cfg.kl_ratio_weighted`` the KL term (and ``kl_ref``) is KL·ρ, ρ the lo
 ratio (:func:`rlkernel.rl.objectives.importance_ratio`, differentiable, as TRL's
 ``use_bias_correction_kl``).
 
+Context parallelism (``cp_group``): the inputs are each rank's slice of every sequence; every
+sequence or batch sum above is reduced over the group (:mod:`rlkernel.rl.context_parallel`), so the
+rank losses add up to the unsplit loss, each rank's gradient is its slice of the unsplit gradient,
+and the metrics are the unsplit call's on every rank (reading them is a collective).
+
 Caveats:
     * Metrics are local to the call (micro-batch), not normalized globally; average them as you log.
     * ``rollout_logp`` is ignored when ``cfg.rollout_correction`` is ``None``.
@@ -76,6 +81,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -89,12 +95,15 @@ from rlkernel.rl.aggregate import (
     aggregate,
     finite_or_nan,
     masked,
-    masked_mean,
+    seq_any,
     seq_mean,
 )
-from rlkernel.rl.batch import LossBatch, validate_batch
+from rlkernel.rl.batch import CallChecks, LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator, kl_terms
+
+if TYPE_CHECKING:
+    from rlkernel.rl.context_parallel import ContextParallel
 
 
 class PolicyLossOutput:
@@ -158,6 +167,7 @@ class _Batch:
     given_mask: torch.Tensor
     rollout_weights: torch.Tensor | None = None
     rejection: rollout.Rejection | None = None
+    cp: ContextParallel | None = None
 
 
 def _reads_rollout_logp(cfg: PolicyLossConfig) -> bool:
@@ -171,13 +181,24 @@ def _reads_rollout_logp(cfg: PolicyLossConfig) -> bool:
 
 def padded_advantages(batch: LossBatch, mask: torch.Tensor, dtype: torch.dtype):
     """(per-token ``[S, L]``, per-sequence ``[S]``) advantages, detached and sanitized (±inf → NaN,
-    0 where ``mask`` is off); per-token advantages average into A_i over ``mask``."""
+    0 where ``mask`` is off); per-token advantages average into A_i over ``mask`` (with a
+    context-parallel group, over every rank's slice of the sequence)."""
     adv, seg = batch.advantages.detach(), batch.segments
     if not batch.advantages_per_seq:
         tokens = masked(finite_or_nan(seg.to_padded(adv).to(dtype)), mask)
-        return tokens, seq_mean(tokens, mask)
-    per_seq = masked(finite_or_nan(adv.to(dtype)), mask.any(-1))
+        return tokens, seq_mean(tokens, mask, batch.cp)
+    per_seq = masked(finite_or_nan(adv.to(dtype)), seq_any(mask, batch.cp))
     return masked(per_seq[:, None].expand(mask.shape), mask), per_seq
+
+
+def padded_width(batch: LossBatch) -> int:
+    """L, the padded width that ``seq-mean-token-sum-norm`` divides by when ``cfg.norm_length`` is
+    None: this call's (``[B, T]``: T; packed: the longest sequence), or with a context-parallel
+    group the unsplit batch's. 1 where no aggregation reads it (no collective for it then)."""
+    cfg = batch.cfg
+    if cfg.aggregation != "seq-mean-token-sum-norm" or cfg.norm_length is not None:
+        return 1
+    return batch.segments.max_len if batch.cp is None else batch.cp.width
 
 
 def _padded_batch(logp: torch.Tensor, entropy: torch.Tensor | None, batch: LossBatch) -> _Batch:
@@ -201,7 +222,7 @@ def _padded_batch(logp: torch.Tensor, entropy: torch.Tensor | None, batch: LossB
     rejected, active = None, given
     if cfg.rollout_rs is not None:
         rejected = rollout.rejection(
-            old2, rollout2, given, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
+            old2, rollout2, given, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max, batch.cp
         )
         active = rejected.keep
     adv, adv_seq = padded_advantages(batch, active, dtype)
@@ -218,6 +239,7 @@ def _padded_batch(logp: torch.Tensor, entropy: torch.Tensor | None, batch: LossB
         given_mask=given,
         rollout_weights=padded(batch.rollout_weights),
         rejection=rejected,
+        cp=batch.cp,
     )
 
 
@@ -236,6 +258,8 @@ def policy_loss(
     global_tokens: Normalizer | int = None,
     global_seqs: Normalizer | int = None,
     cu_seqlens: torch.Tensor | None = None,
+    cp_group: object | None = None,
+    cp_positions: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The RL policy loss of one micro-batch, and its metrics.
 
@@ -268,6 +292,20 @@ def policy_loss(
             local count of sequences with an active token when ``None``.
         cu_seqlens: int ``[S + 1]`` cumulative lengths (0, …, N) for packed input; ``None`` for
             padded input.
+        cp_group: context parallelism: a ``torch.distributed`` process group whose ranks each hold
+            a slice of the token positions of every sequence (the same S sequences, in the same
+            order, on every rank; all per-token inputs are this rank's slice). Every sequence sum
+            (sequence ratios, seq-mean normalizers, per-sequence advantages, sequence-level
+            rollout corrections, rejection and masks) spans the group: the rank losses add up to
+            the loss of the unsplit batch, each rank's gradient is its slice of the unsplit
+            gradient, and the metrics are the unsplit batch's on every rank. A collective (see
+            ``docs/guides/multi-gpu.md``): every rank of the group makes the call, runs the
+            backward, and reads the metrics (or none does). ``None``: one rank holds whole
+            sequences.
+        cp_positions: with ``cp_group``: int, the shape of ``logp``, each token's position in its
+            sequence (0 … n_i − 1 over the ranks, each position on one rank), e.g. Megatron's
+            load-balanced layout from ``rlkernel.distributed.context_parallel_split``. ``None``:
+            contiguous slices in rank order (rank 0 holds the first piece of every sequence).
 
     Returns:
         :class:`PolicyLossOutput`: ``loss`` (0-dim, float32, or float64 for float64 ``logp``) and
@@ -277,9 +315,22 @@ def policy_loss(
         TypeError: a non-tensor or wrong-dtype input, ``cfg`` not a ``PolicyLossConfig``.
         ValueError: shape/device mismatches, bad ``cu_seqlens``, a missing ``ref_logp`` /
             ``entropy`` / ``rollout_logp`` that ``cfg`` needs, ``rollout_weights`` with
-            ``cfg.rollout_correction``, a negative or non-finite number as a normalizer.
+            ``cfg.rollout_correction``, a negative or non-finite number as a normalizer. With
+            ``cp_group``: on every rank alike when any rank's inputs fail these checks, the ranks'
+            layouts or settings differ, or ``cp_positions`` is not a partition of the sequences.
     """
-    check.float_tensor("logp", logp)
+    error = None
+    try:
+        check.float_tensor("logp", logp)
+    except (TypeError, ValueError) as err:
+        if cp_group is None:
+            raise
+        error = err  # raised by every rank of cp_group (validate_batch)
+
+    def entropy_checks() -> None:
+        if entropy is not None:
+            check.float_like("entropy", entropy, "logp", logp)
+
     batch = validate_batch(
         cfg,
         logp,
@@ -292,9 +343,12 @@ def policy_loss(
         global_tokens=global_tokens,
         global_seqs=global_seqs,
         cu_seqlens=cu_seqlens,
+        cp_group=cp_group,
+        cp_positions=cp_positions,
+        cp_checks=CallChecks(sources=(logp,), error=error, later=entropy_checks, entropy=entropy is not None),
     )
-    if entropy is not None:
-        check.float_like("entropy", entropy, "logp", logp)
+    if cp_group is None:
+        entropy_checks()
     return loss_from_batch(logp, entropy, batch)
 
 
@@ -317,6 +371,7 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
         )
     batch = _padded_batch(logp, entropy, inputs)
     global_tokens, global_seqs = inputs.global_tokens, inputs.global_seqs
+    width = padded_width(inputs)
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate(
@@ -326,7 +381,8 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
             global_tokens=global_tokens,
             global_seqs=global_seqs,
             norm_length=cfg.norm_length,
-            width=batch.segments.max_len,
+            width=width,
+            cp=batch.cp,
         )
 
     correction = None
@@ -342,10 +398,12 @@ def loss_from_batch(logp: torch.Tensor, entropy: torch.Tensor | None, inputs: Lo
             per_sequence=cfg.loss_type in objectives.ROLLOUT_PER_SEQUENCE,
             fold_mask=batch.mask,
             batch_normalize=cfg.rollout_batch_normalize,
+            cp=batch.cp,
         )
     term = objectives.policy_term(
-        cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask, rollout_w=correction
-    )
+        cfg, batch.logp, batch.old_logp, batch.adv, batch.adv_seq, batch.mask,
+        rollout_w=correction, cp=batch.cp,
+    )  # fmt: skip
     per_token, applied = _weighted_policy_term(cfg, batch, term, correction)
     weights = applied.pop("correction")
     kl = None
@@ -372,11 +430,13 @@ def _weighted_policy_term(
     if cfg.off_policy_mask_threshold is not None:
         sampling = batch.rollout_logp if batch.rollout_logp is not None else batch.old_logp
         applied["off_policy"] = masks.off_policy_weight(
-            batch.logp, sampling, batch.adv, batch.mask, cfg.off_policy_mask_threshold
+            batch.logp, sampling, batch.adv, batch.mask, cfg.off_policy_mask_threshold, batch.cp
         )
         per_token = per_token * applied["off_policy"]
     if cfg.top_entropy_quantile < 1:
-        applied["entropy"] = masks.entropy_weight(batch.entropy, batch.mask, cfg.top_entropy_quantile)
+        applied["entropy"] = masks.entropy_weight(
+            batch.entropy, batch.mask, cfg.top_entropy_quantile, batch.cp
+        )
         per_token = per_token * applied["entropy"]
     if correction is not None:
         applied["correction"] = correction
@@ -386,7 +446,7 @@ def _weighted_policy_term(
         given = batch.rollout_weights
         # gmpo: one weight per sequence, as verl's geo_mean folds them
         if cfg.loss_type in objectives.ROLLOUT_PER_SEQUENCE:
-            given = rollout.fold_per_sequence(given, batch.mask)
+            given = rollout.fold_per_sequence(given, batch.mask, batch.cp)
         applied["given"] = given
         per_token = per_token * given
     if batch.rejection is not None:
@@ -400,55 +460,106 @@ def _kl(cfg: PolicyLossConfig, batch: _Batch, logp: torch.Tensor) -> torch.Tenso
     ``use_bias_correction_kl``)."""
     kl = kl_terms(logp, batch.ref_logp, canonical_kl_estimator(cfg.kl_estimator, "cfg.kl_estimator"))
     if cfg.kl_ratio_weighted:
-        kl = kl * objectives.importance_ratio(cfg, logp, batch.old_logp, batch.mask)
+        kl = kl * objectives.importance_ratio(cfg, logp, batch.old_logp, batch.mask, batch.cp)
     return kl
 
 
 @torch.no_grad()
 def _metrics(cfg, batch: _Batch, term, kl, weights, applied) -> dict[str, torch.Tensor]:
-    m = batch.mask
-    low = masked_mean(term.clipped_low.to(batch.logp.dtype), term.ratio_mask)
-    high = masked_mean(term.clipped_high.to(batch.logp.dtype), term.ratio_mask)
-    metrics = {"clip_frac_low": low, "clip_frac_high": high, "clip_frac": low + high}
+    m, dtype = batch.mask, batch.logp.dtype
+    means = _Means(batch.cp)
+    means.add("clip_frac_low", term.clipped_low.to(dtype), term.ratio_mask)
+    means.add("clip_frac_high", term.clipped_high.to(dtype), term.ratio_mask)
+    means.total("clip_frac", "clip_frac_low", "clip_frac_high")
     if term.clipped_dual is not None:
-        metrics["clip_frac_dual"] = masked_mean(term.clipped_dual.to(batch.logp.dtype), m)
+        means.add("clip_frac_dual", term.clipped_dual.to(dtype), m)
     logp, old = batch.logp.detach(), batch.old_logp
-    metrics["approx_kl"] = masked_mean(kl_terms(logp, old, "k3"), m)
-    metrics.update(_ratio_stats(term.ratio, term.ratio_mask))
+    means.add("approx_kl", kl_terms(logp, old, "k3"), m)
+    means.add_extremes("ratio", term.ratio, term.ratio_mask)
     for name, values, valid in term.extra:
-        metrics[name] = masked_mean(values.to(batch.logp.dtype), valid)
+        means.add(name, values.to(dtype), valid)
     if batch.ref_logp is not None:
         if kl is None:  # ref_logp given for monitoring only (kl_coef == 0)
             kl = _kl(cfg, batch, logp)
-        metrics["kl_ref"] = masked_mean(kl.detach(), m)
+        means.add("kl_ref", kl.detach(), m)
     if batch.entropy is not None:
-        metrics["entropy_mean"] = masked_mean(batch.entropy.detach(), m)
+        means.add("entropy_mean", batch.entropy.detach(), m)
     if weights is not None:
-        metrics["rollout_weight_mean"] = masked_mean(weights.weight, m)
+        means.add("rollout_weight_mean", weights.weight, m)
         name = "rollout_frac_truncated" if cfg.rollout_correction.endswith("tis") else "rollout_frac_masked"
-        metrics[name] = masked_mean(weights.changed.to(batch.logp.dtype), m)
-        if weights.norm_factor is not None:
-            metrics["rollout_norm_factor"] = weights.norm_factor
+        means.add(name, weights.changed.to(dtype), m)
+        if weights.norm_factor is not None:  # from reduced sums: the same on every rank already
+            means.value("rollout_norm_factor", weights.norm_factor)
     if applied["given"] is not None:
-        metrics["rollout_weight_mean"] = masked_mean(applied["given"], m)
+        means.add("rollout_weight_mean", applied["given"], m)
     if batch.rejection is not None:
-        rejected = batch.rejection.rejected.to(batch.logp.dtype)
-        metrics["rollout_rs_frac_rejected"] = masked_mean(rejected, batch.given_mask)
+        means.add("rollout_rs_frac_rejected", batch.rejection.rejected.to(dtype), batch.given_mask)
     for key, name in (("off_policy", "off_policy_frac_masked"), ("entropy", "entropy_frac_masked")):
         if applied[key] is not None:
-            metrics[name] = masked_mean((applied[key] == 0).to(batch.logp.dtype), m)
-    return metrics
+            means.add(name, (applied[key] == 0).to(dtype), m)
+    return means.finish()
 
 
-def _ratio_stats(ratio: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean/min/max of ``ratio`` over ``valid``; all 0 when nothing is valid (no host sync)."""
-    any_valid = valid.any()
-    inf = torch.full((), float("inf"), dtype=ratio.dtype, device=ratio.device)
-    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
-    smallest = torch.where(valid, ratio, inf).amin() if ratio.numel() else inf
-    largest = torch.where(valid, ratio, -inf).amax() if ratio.numel() else -inf
-    return {
-        "ratio_mean": masked_mean(ratio, valid),
-        "ratio_min": torch.where(any_valid, smallest, zero),
-        "ratio_max": torch.where(any_valid, largest, zero),
-    }
+class _Means:
+    """The metrics as (sum, count) pairs, divided once at the end (in the order they were added).
+
+    With a context-parallel group the per-token pairs (``[S, L]`` values: this rank's slice) are
+    summed over the ranks in ONE all-reduce and the ratio's extremes reduced in one more, so every
+    rank reports the unsplit batch's metrics; per-sequence values (``[S]``: the gspo family's and
+    vespo's ratio, computed from reduced sums, the same on every rank) are not reduced. Without a
+    group every mean is bitwise ``masked_mean``'s (the same sum and count, divided alike)."""
+
+    def __init__(self, cp: ContextParallel | None):
+        self.cp = cp
+        self.order: list[str] = []
+        self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self.totals: dict[str, tuple[str, str]] = {}
+        self.values: dict[str, torch.Tensor] = {}
+        self.extremes: tuple[str, torch.Tensor, torch.Tensor, bool] | None = None
+
+    def add(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
+        """The mean of ``x`` over ``valid`` (0 when nothing is valid)."""
+        self.order.append(name)
+        self.pairs[name] = (masked(x, valid).sum(), valid.sum().to(x.dtype), valid.dim() == 2)
+
+    def total(self, name: str, first: str, second: str) -> None:
+        """The sum of two metrics added before."""
+        self.order.append(name)
+        self.totals[name] = (first, second)
+
+    def value(self, name: str, value: torch.Tensor) -> None:
+        """A metric that is final as it is."""
+        self.order.append(name)
+        self.values[name] = value
+
+    def add_extremes(self, prefix: str, x: torch.Tensor, valid: torch.Tensor) -> None:
+        """``<prefix>_mean / _min / _max`` of ``x`` over ``valid`` (all 0 when nothing is valid;
+        one pair of extremes per call)."""
+        self.add(f"{prefix}_mean", x, valid)
+        self.order += [f"{prefix}_min", f"{prefix}_max"]
+        inf = torch.full((), float("inf"), dtype=x.dtype, device=x.device)
+        smallest = torch.where(valid, x, inf).amin() if x.numel() else inf
+        largest = torch.where(valid, x, -inf).amax() if x.numel() else -inf
+        self.extremes = (prefix, smallest, largest, valid.dim() == 2)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        pairs, cp = dict(self.pairs), self.cp
+        reduced = [name for name, (_, _, per_token) in pairs.items() if per_token]
+        if cp is not None and reduced:
+            flat = cp.sum(torch.stack([t for name in reduced for t in pairs[name][:2]]))
+            for i, name in enumerate(reduced):
+                pairs[name] = (flat[2 * i], flat[2 * i + 1], True)
+        out = {name: total / count.clamp_min(1) for name, (total, count, _) in pairs.items()}
+        out.update(self.values)
+        for name, (first, second) in self.totals.items():
+            out[name] = out[first] + out[second]
+        if self.extremes is not None:
+            prefix, smallest, largest, per_token = self.extremes
+            if cp is not None and per_token:  # one MAX all-reduce for both: min = -max(-x)
+                negated_min, largest = cp.max(torch.stack([-smallest, largest])).unbind()
+                smallest = -negated_min
+            zero = torch.zeros((), dtype=smallest.dtype, device=smallest.device)
+            any_valid = pairs[f"{prefix}_mean"][1] > 0
+            out[f"{prefix}_min"] = torch.where(any_valid, smallest, zero)
+            out[f"{prefix}_max"] = torch.where(any_valid, largest, zero)
+        return {name: out[name] for name in self.order}

@@ -26,7 +26,8 @@ entropy over e·m: see the caveats).
 
 Caveats:
     * TRL computes the entropy quantile over the tokens of all data-parallel ranks (a gather);
-      here it is over the tokens of the call (the micro-batch on this rank).
+      here it is over the tokens of the call (the micro-batch on this rank; with a context-parallel
+      group, of the unsplit micro-batch: every rank of the group).
     * TRL replaces a NaN in ŝ − logp by 0 (a token vLLM could not score is no evidence); here a
       NaN or ±inf in ŝ or logp at an active token makes that sequence's weight NaN (a NaN loss),
       and a NaN entropy at an active token makes every weight NaN, rather than being hidden.
@@ -50,6 +51,7 @@ def off_policy_weight(
     adv: torch.Tensor,
     mask: torch.Tensor,
     threshold: float,
+    cp=None,
 ) -> torch.Tensor:
     """``[S, L]`` OPSM weight o_t (1, 0, or NaN for a sequence whose D_i is NaN).
 
@@ -59,9 +61,10 @@ def off_policy_weight(
         adv: ``[S, L]`` per-token advantages.
         mask: ``[S, L]`` bool, active tokens.
         threshold: δ.
+        cp: context parallelism: D_i over every rank's slice of the sequence.
     """
-    drift = seq_sum(masked(sampling_logp - logp.detach(), mask), mask)
-    drift = drift / seq_count(mask, drift.dtype).clamp_min(1)
+    drift = seq_sum(masked(sampling_logp - logp.detach(), mask), mask, cp)
+    drift = drift / seq_count(mask, drift.dtype, cp).clamp_min(1)
     keep = (adv >= 0) | (drift <= threshold)[:, None]
     weight = keep.to(drift.dtype)
     return torch.where(drift.isnan()[:, None] & mask, math.nan, weight)
@@ -93,11 +96,16 @@ def quantile_threshold(values: torch.Tensor, mask: torch.Tensor, q: float) -> to
 
 
 @torch.no_grad()
-def entropy_weight(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+def entropy_weight(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, cp=None) -> torch.Tensor:
     """``[S, L]`` top-entropy-quantile weight e_t: 1 where H_t ≥ the (1 − ``quantile``)-quantile of
-    the active entropies, else 0; NaN everywhere active when an active entropy is NaN."""
+    the active entropies, else 0; NaN everywhere active when an active entropy is NaN. ``cp``
+    (context parallelism): the quantile of the unsplit batch's active entropies (every rank's
+    values gathered into the unsplit layout: the same threshold, bit for bit)."""
     h = entropy.detach()
-    threshold = quantile_threshold(h, mask, 1.0 - quantile)
+    if cp is None:
+        threshold = quantile_threshold(h, mask, 1.0 - quantile)
+    else:
+        threshold = quantile_threshold(cp.to_global(h), cp.to_global(mask, False), 1.0 - quantile)
     keep = (h >= threshold) & mask
     weight = keep.to(h.dtype)
     return torch.where(threshold.isnan() & mask, math.nan, weight)

@@ -64,7 +64,7 @@ import torch
 
 from rlkernel._token_loss_plan import LOG_RATIO_BOUND  # |logp − old_logp| clamp of ppo/cispo/sapo/dppo
 from rlkernel.rl import covariance
-from rlkernel.rl.aggregate import seq_count, seq_sum
+from rlkernel.rl.aggregate import seq_any, seq_count, seq_sum
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.rollout import RolloutWeights
 
@@ -138,7 +138,7 @@ def _clip_flags(
     return low, high
 
 
-def _ppo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _ppo(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     ratio = token_ratio(logp, old_logp)
     loss = clipped_surrogate(
         ratio, adv, cfg.clip_low, cfg.clip_high, delta=cfg.delta, dual_clip=cfg.dual_clip
@@ -156,48 +156,49 @@ def seq_ratio_convention(cfg: PolicyLossConfig) -> str:
     return "product" if cfg.loss_type == "vespo" else "geo_mean"
 
 
-def seq_log_sum(x: torch.Tensor, mask: torch.Tensor, convention: str) -> torch.Tensor:
-    """``[S]``: Σ_t m·x (``product``) or Σ_t m·x / n_i (``geo_mean``); 0 for an empty sequence."""
-    total = seq_sum(x, mask)
+def seq_log_sum(x: torch.Tensor, mask: torch.Tensor, convention: str, cp=None) -> torch.Tensor:
+    """``[S]``: Σ_t m·x (``product``) or Σ_t m·x / n_i (``geo_mean``); 0 for an empty sequence.
+    ``cp``: over every rank's slice of the sequence (:mod:`rlkernel.rl.context_parallel`)."""
+    total = seq_sum(x, mask, cp)
     if convention == "geo_mean":
-        total = total / seq_count(mask, x.dtype).clamp_min(1)
+        total = total / seq_count(mask, x.dtype, cp).clamp_min(1)
     return total
 
 
-def _seq_log_ratio(cfg, logp, old_logp, mask) -> torch.Tensor:
+def _seq_log_ratio(cfg, logp, old_logp, mask, cp=None) -> torch.Tensor:
     """``[S]``: log s_i of the configured convention (0 for an empty sequence), clamped above at 10
     like verl's gspo."""
-    return seq_log_sum(logp - old_logp, mask, seq_ratio_convention(cfg)).clamp(max=GSPO_LOG_RATIO_MAX)
+    return seq_log_sum(logp - old_logp, mask, seq_ratio_convention(cfg), cp).clamp(max=GSPO_LOG_RATIO_MAX)
 
 
-def _gspo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
-    seq_ratio = torch.exp(_seq_log_ratio(cfg, logp, old_logp, mask))
+def _gspo(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
+    seq_ratio = torch.exp(_seq_log_ratio(cfg, logp, old_logp, mask, cp))
     seq_loss = clipped_surrogate(seq_ratio, adv_seq, cfg.clip_low, cfg.clip_high)
-    return _sequence_term(seq_loss, seq_ratio, adv_seq, mask, cfg)
+    return _sequence_term(seq_loss, seq_ratio, adv_seq, mask, cfg, cp)
 
 
-def _gspo_token(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _gspo_token(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     # log s_i of the configured convention, not clamped yet (see below)
-    mean = seq_log_sum(logp.detach() - old_logp, mask, seq_ratio_convention(cfg))
+    mean = seq_log_sum(logp.detach() - old_logp, mask, seq_ratio_convention(cfg), cp)
     # log s_it = sg[log s_i] + logp − sg[logp]: the value of s_i, the gradient of one token's logp.
     # Clamped once, after the sum, as verl does: above the bound the token gets no gradient (a
     # pre-clamped log s_i would sit exactly at the bound, where clamp passes the gradient).
     log_ratio = (logp - logp.detach() + mean[:, None]).clamp(max=GSPO_LOG_RATIO_MAX)
     loss = clipped_surrogate(torch.exp(log_ratio), adv, cfg.clip_low, cfg.clip_high)
     seq_ratio = torch.exp(mean.clamp(max=GSPO_LOG_RATIO_MAX))
-    return _sequence_term(loss, seq_ratio, adv_seq, mask, cfg, broadcast=False)
+    return _sequence_term(loss, seq_ratio, adv_seq, mask, cfg, cp, broadcast=False)
 
 
-def _sequence_term(loss, seq_ratio, adv_seq, mask, cfg, *, broadcast: bool = True) -> PolicyTerm:
+def _sequence_term(loss, seq_ratio, adv_seq, mask, cfg, cp=None, *, broadcast: bool = True) -> PolicyTerm:
     """GSPO-family term: metrics are about the sequence ratio s_i of non-empty sequences."""
     if broadcast:
         loss = loss[:, None].expand(mask.shape)
     ratio = seq_ratio.detach()
     low, high = _clip_flags(ratio, adv_seq, cfg)
-    return PolicyTerm(loss, ratio, mask.any(-1), low, high)
+    return PolicyTerm(loss, ratio, seq_any(mask, cp), low, high)
 
 
-def _cispo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _cispo(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     ratio = token_ratio(logp, old_logp).detach()
     lower = None if cfg.clip_low is None else 1.0 - cfg.clip_low
     weight = ratio.clamp(min=lower, max=1.0 + cfg.clip_high)
@@ -206,7 +207,7 @@ def _cispo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
     return PolicyTerm(loss, ratio, mask, low, ratio > 1.0 + cfg.clip_high)
 
 
-def _sapo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _sapo(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     ratio = token_ratio(logp, old_logp)
     tau = torch.where(adv > 0, ratio.new_tensor(cfg.sapo_tau_pos), ratio.new_tensor(cfg.sapo_tau_neg))
     loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv
@@ -214,14 +215,14 @@ def _sapo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
     return PolicyTerm(loss, ratio.detach(), mask, never, never)
 
 
-def _gmpo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _gmpo(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     log_ratio = logp - old_logp
     capped = torch.where(
         adv > 0,
         log_ratio.clamp(max=cfg.clip_high),
         torch.where(adv < 0, log_ratio.clamp(min=-cfg.clip_low), torch.zeros_like(log_ratio)),
     )
-    seq_ratio = torch.exp(seq_sum(capped, mask) / seq_count(mask, logp.dtype).clamp_min(1))
+    seq_ratio = torch.exp(seq_sum(capped, mask, cp) / seq_count(mask, logp.dtype, cp).clamp_min(1))
     loss = (-adv_seq * seq_ratio)[:, None].expand(mask.shape)
     lr = log_ratio.detach()
     low = (adv < 0) & (lr < -cfg.clip_low)
@@ -229,7 +230,7 @@ def _gmpo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
     return PolicyTerm(loss, torch.exp(lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)), mask, low, high)
 
 
-def _reinforce(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _reinforce(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     never = torch.zeros_like(mask)
     return PolicyTerm(-adv * logp, token_ratio(logp, old_logp).detach(), mask, never, never)
 
@@ -237,15 +238,15 @@ def _reinforce(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
 # ------------------------------------------------------------------ issue 14: more loss types
 
 
-def _vespo(cfg, logp, old_logp, adv, adv_seq, mask, rollout_w=None) -> PolicyTerm:
+def _vespo(cfg, logp, old_logp, adv, adv_seq, mask, rollout_w=None, cp=None) -> PolicyTerm:
     """VESPO (TRL ``loss_type="vespo"``): ℓ = −sg[φ]·A·logp with the Gamma weight φ of the sequence
     ratio w_i, and the rollout weights folded into w_i (TRL multiplies them into nothing else)."""
     with torch.no_grad():
         lr = (logp.detach() - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         convention = seq_ratio_convention(cfg)
-        log_w = seq_log_sum(lr, mask, convention)
+        log_w = seq_log_sum(lr, mask, convention, cp)
         if rollout_w is not None:
-            log_w = log_w + _vespo_rollout_log_weight(rollout_w, mask, cfg.rollout_correction, convention)
+            log_w = log_w + _vespo_rollout_log_weight(rollout_w, mask, cfg.rollout_correction, convention, cp)
         log_w = log_w.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
         w = torch.exp(log_w)
         nonneg = adv >= 0
@@ -258,21 +259,26 @@ def _vespo(cfg, logp, old_logp, adv, adv_seq, mask, rollout_w=None) -> PolicyTer
     loss = -phi * adv * logp
     never = torch.zeros_like(w, dtype=torch.bool)
     return PolicyTerm(
-        loss, w, mask.any(-1), never, never, rollout_folded=True, extra=(("vespo_phi_mean", phi, mask),)
+        loss, w, seq_any(mask, cp), never, never, rollout_folded=True, extra=(("vespo_phi_mean", phi, mask),)
     )
 
 
-def _vespo_rollout_log_weight(rollout_w, mask, correction: str, convention: str) -> torch.Tensor:
+def _vespo_rollout_log_weight(rollout_w, mask, correction: str, convention: str, cp=None) -> torch.Tensor:
     """``[S]``: the rollout weights' share of log w_i: Σ_t m·clamp(log ω_t) for token modes, the
     sequence's clamp(log ω_i) for sequence modes (geo_mean: divided by n_i, as the policy part)."""
     log_is = torch.log(rollout_w.weight).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
     if correction.startswith("token"):
-        return seq_log_sum(log_is, mask, convention)
+        return seq_log_sum(log_is, mask, convention, cp)
     # Sequence modes: one weight per sequence, broadcast over its tokens; read it once (exactly).
-    per_seq = torch.where(mask, log_is, -float("inf")).amax(-1)
-    per_seq = torch.where(mask.any(-1), per_seq, 0.0)
+    if mask.shape[-1] == 0:  # amax needs a non-empty dimension
+        per_seq = log_is.new_full(mask.shape[:-1], -float("inf"))
+    else:
+        per_seq = torch.where(mask, log_is, -float("inf")).amax(-1)
+    if cp is not None:  # the ranks without a token of the sequence hold -inf
+        per_seq = cp.max(per_seq)
+    per_seq = torch.where(seq_any(mask, cp), per_seq, 0.0)
     if convention == "geo_mean":
-        per_seq = per_seq / seq_count(mask, per_seq.dtype).clamp_min(1)
+        per_seq = per_seq / seq_count(mask, per_seq.dtype, cp).clamp_min(1)
     return per_seq
 
 
@@ -289,7 +295,7 @@ def _dppo_valid(cfg, logp, old_logp, adv) -> torch.Tensor:
     return torch.where(adv > 0, pos, neg)
 
 
-def _dppo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _dppo(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     """DPPO-Binary-TV / -KL (verl ``dppo_tv`` / ``dppo_kl``): ℓ = −A·sg[min(r, c)]·logp·sg[valid]."""
     ratio = token_ratio(logp, old_logp).detach()
     weight = ratio if cfg.dppo_ratio_cap is None else ratio.clamp(max=cfg.dppo_ratio_cap)
@@ -300,7 +306,7 @@ def _dppo(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
     return PolicyTerm(loss, ratio, mask, ~valid & ~positive, ~valid & positive)
 
 
-def _clip_cov(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _clip_cov(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     """Clip-Cov (verl ``clip_cov``): the PPO clipped loss (unclamped ratio, no dual clip), times 0 on
     the randomly drawn high-covariance tokens (:mod:`rlkernel.rl.covariance`)."""
     ratio = torch.exp(logp - old_logp)
@@ -309,9 +315,8 @@ def _clip_cov(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
     loss = torch.maximum(unclipped, clipped)
     with torch.no_grad():
         candidates = mask & ~(clipped > unclipped)
-        cov = covariance.covariance(adv, logp, mask)
-        cut = covariance.clip_cov_selection(
-            cov, candidates, mask, cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub
+        cut = covariance.clip_cov_cut(
+            adv, logp, mask, candidates, cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub, cp
         )
     loss = loss * (~cut).to(loss.dtype)  # a product, as verl: NaN stays NaN on a cut token
     r = ratio.detach()
@@ -319,19 +324,19 @@ def _clip_cov(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
     return PolicyTerm(loss, r, mask, low, high, extra=(("cov_frac", cut, mask),))
 
 
-def _kl_cov(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _kl_cov(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     """KL-Cov (verl ``kl_cov``): ℓ = −A·r (unclipped, unclamped), + kl_cov_coef·|lr| on the
     largest-covariance tokens (:mod:`rlkernel.rl.covariance`)."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     loss = -adv * ratio
-    chosen = covariance.kl_cov_selection(adv, logp, mask, cfg.kl_cov_ratio)
+    chosen = covariance.kl_cov_chosen(adv, logp, mask, cfg.kl_cov_ratio, cp)
     loss = torch.where(chosen, loss + cfg.kl_cov_coef * log_ratio.abs(), loss)
     never = torch.zeros_like(mask)
     return PolicyTerm(loss, ratio.detach(), mask, never, never, extra=(("cov_frac", chosen, mask),))
 
 
-def _dro(cfg, logp, old_logp, adv, adv_seq, mask) -> PolicyTerm:
+def _dro(cfg, logp, old_logp, adv, adv_seq, mask, cp=None) -> PolicyTerm:
     """DRO's penalized policy gradient (verl ``dro``): ℓ = −(A·logp − ½β·lr²)."""
     log_ratio = logp - old_logp
     loss = -(adv * logp - 0.5 * cfg.dro_beta * log_ratio.square())
@@ -359,15 +364,15 @@ ROLLOUT_PER_SEQUENCE: tuple[str, ...] = ("gmpo",)
 
 
 def importance_ratio(
-    cfg: PolicyLossConfig, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
+    cfg: PolicyLossConfig, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, cp=None
 ) -> torch.Tensor:
     """``[S, L]``, differentiable: the importance ratio that weights the KL term when
     ``cfg.kl_ratio_weighted`` (TRL's ``coef_1``): s_i broadcast for ``gspo``, s_it for
     ``gspo_token``, r_t = exp(clamp(lr, ±20)) for every other loss type."""
     if cfg.loss_type == "gspo":
-        return torch.exp(_seq_log_ratio(cfg, logp, old_logp, mask))[:, None].expand(mask.shape)
+        return torch.exp(_seq_log_ratio(cfg, logp, old_logp, mask, cp))[:, None].expand(mask.shape)
     if cfg.loss_type == "gspo_token":
-        seq_log_ratio = _seq_log_ratio(cfg, logp.detach(), old_logp, mask)
+        seq_log_ratio = _seq_log_ratio(cfg, logp.detach(), old_logp, mask, cp)
         return torch.exp((logp - logp.detach() + seq_log_ratio[:, None]).clamp(max=GSPO_LOG_RATIO_MAX))
     return token_ratio(logp, old_logp)
 
@@ -381,6 +386,7 @@ def policy_term(
     mask: torch.Tensor,
     *,
     rollout_w: RolloutWeights | None = None,
+    cp=None,
 ) -> PolicyTerm:
     """The per-token policy loss of ``cfg.loss_type``.
 
@@ -394,10 +400,13 @@ def policy_term(
         rollout_w: the rollout-correction weights (``None`` without a correction). Only ``vespo``
             reads them (it folds them into its sequence ratio and says so with
             ``PolicyTerm.rollout_folded``); the caller multiplies them into every other loss.
+        cp: context parallelism (:class:`rlkernel.rl.context_parallel.ContextParallel`): the
+            tensors are this rank's slice of every sequence, and the sequence sums (and the
+            covariance selection of clip_cov/kl_cov) span every rank of the group; None: one rank.
 
     Returns:
         :class:`PolicyTerm` with the ``[S, L]`` loss (unmasked; the aggregation masks it).
     """
     if cfg.loss_type == "vespo":
-        return _vespo(cfg, logp, old_logp, adv, adv_seq, mask, rollout_w)
-    return _TERMS[cfg.loss_type](cfg, logp, old_logp, adv, adv_seq, mask)
+        return _vespo(cfg, logp, old_logp, adv, adv_seq, mask, rollout_w, cp)
+    return _TERMS[cfg.loss_type](cfg, logp, old_logp, adv, adv_seq, mask, cp)

@@ -85,14 +85,15 @@ Caveats:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from rlkernel import _validate as check
-from rlkernel.rl.aggregate import finite_or_nan, masked, seq_count, seq_mean, seq_sum
-from rlkernel.rl.batch import segments_for
+from rlkernel.rl.aggregate import finite_or_nan, masked, seq_any, seq_count, seq_mean, seq_sum
+from rlkernel.rl.batch import segments_for, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 
 REJECTION_LOG_RATIO_BOUND = 20.0  # verl's SAFETY_BOUND on log ρ before the divergences
@@ -118,12 +119,11 @@ class RolloutWeights:
 
 
 def _log_rho(
-    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str, cp=None
 ) -> torch.Tensor:
-    log_rho = masked(old_logp - rollout_logp, mask)
     if level == "seq":
-        return log_rho.sum(-1, keepdim=True).expand(mask.shape)
-    return log_rho
+        return seq_sum(old_logp - rollout_logp, mask, cp)[:, None].expand(mask.shape)
+    return masked(old_logp - rollout_logp, mask)
 
 
 def _outside(rho: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
@@ -148,6 +148,7 @@ def rollout_weights(
     per_sequence: bool = False,
     fold_mask: torch.Tensor | None = None,
     batch_normalize: bool = False,
+    cp=None,
 ) -> RolloutWeights:
     """Correction weights for ``mode`` in ``token_tis | seq_tis | token_mis | seq_mis``.
 
@@ -160,12 +161,15 @@ def rollout_weights(
         fold_mask: the tokens that fold (the loss's mask after rejection); ``mask`` when None.
         batch_normalize: divide the weights by their mean over ``mask`` first (see the module
             docstring).
+        cp: context parallelism (:mod:`rlkernel.rl.context_parallel`): the tensors are this
+            rank's slice of every sequence; sequence products, the batch mean and the folding span
+            every rank of the group.
 
     Returns:
         :class:`RolloutWeights`, detached.
     """
     level, kind = mode.split("_")
-    rho = torch.exp(_log_rho(old_logp, rollout_logp, mask, level))
+    rho = torch.exp(_log_rho(old_logp, rollout_logp, mask, level, cp))
     outside = _outside(rho, clip_min, clip_max)
     if kind == "tis":
         weight = rho.clamp(min=clip_min, max=clip_max)
@@ -174,15 +178,15 @@ def rollout_weights(
     factor = None
     if batch_normalize:
         weight = masked(weight, mask)
-        weight, factor = batch_normalized(weight, *batch_mean_terms(weight, mask, level))
+        weight, factor = batch_normalized(weight, *batch_mean_terms(weight, mask, level, cp))
     if per_sequence and level == "token":
-        weight = fold_per_sequence(weight, mask if fold_mask is None else fold_mask)
+        weight = fold_per_sequence(weight, mask if fold_mask is None else fold_mask, cp)
     return RolloutWeights(masked(weight, mask), outside & mask, factor)
 
 
 @torch.no_grad()
 def batch_mean_terms(
-    weight: torch.Tensor, mask: torch.Tensor, level: str
+    weight: torch.Tensor, mask: torch.Tensor, level: str, cp=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, count)``, 0-dim, whose ratio is the batch mean w̄ of the weights (module docstring).
 
@@ -192,14 +196,18 @@ def batch_mean_terms(
         mask: ``[S, L]`` bool, the active tokens.
         level: ``"token"`` (Σ_t m_t w_t, Σ_t m_t) or ``"seq"`` (Σ_i w_i, #sequences with an active
             token).
+        cp: context parallelism: the terms of the unsplit batch (every rank's slice).
 
-    A caller that normalizes over several ranks all-reduces both (a sum) before
+    A caller that normalizes over several (data-parallel) ranks all-reduces both (a sum) before
     :func:`batch_normalized`.
     """
-    if level == "seq":
-        has = mask.any(-1)
-        return torch.where(has, seq_mean(weight, mask), 0.0).sum(), has.sum().to(weight.dtype)
-    return masked(weight, mask).sum(), mask.sum().to(weight.dtype)
+    if level == "seq":  # w_i from the sequence's reduced sums: the same on every rank of cp
+        has = seq_any(mask, cp)
+        return torch.where(has, seq_mean(weight, mask, cp), 0.0).sum(), has.sum().to(weight.dtype)
+    total, count = masked(weight, mask).sum(), mask.sum()
+    if cp is not None:
+        total, count = cp.sum(total), cp.sum(count)
+    return total, count.to(weight.dtype)
 
 
 @torch.no_grad()
@@ -214,11 +222,12 @@ def batch_normalized(
 
 
 @torch.no_grad()
-def fold_per_sequence(weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def fold_per_sequence(weight: torch.Tensor, mask: torch.Tensor, cp=None) -> torch.Tensor:
     """``[S, L]`` token weights → their geometric mean exp(Σ_t m log w_t / n_i) on every position of
-    the sequence (verl ``geo_mean``'s folding of token IS weights for a per-sequence loss)."""
+    the sequence (verl ``geo_mean``'s folding of token IS weights for a per-sequence loss); ``cp``:
+    over every rank's slice of the sequence."""
     log_w = masked(torch.log(weight), mask)
-    seq_weight = torch.exp(seq_sum(log_w, mask) / seq_count(mask, weight.dtype).clamp_min(1))
+    seq_weight = torch.exp(seq_sum(log_w, mask, cp) / seq_count(mask, weight.dtype, cp).clamp_min(1))
     return seq_weight[:, None].expand(mask.shape)
 
 
@@ -247,19 +256,23 @@ def _divergence(log_rho: torch.Tensor, estimator: str) -> torch.Tensor:
     return torch.exp(lr) - 1.0 - lr  # k3, verl's spelling (not expm1: same rounding as verl)
 
 
-def _statistic(divergence: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """``[S, L]``: the divergence itself (token level) or its sequence sum / mean / max broadcast."""
+def _statistic(divergence: torch.Tensor, mask: torch.Tensor, level: str, cp=None) -> torch.Tensor:
+    """``[S, L]``: the divergence itself (token level) or its sequence sum / mean / max broadcast
+    (``cp``: over every rank's slice of the sequence)."""
     if level == "token":
         return divergence
     if level == "seq_sum":
-        per_seq = seq_sum(divergence, mask)
+        per_seq = seq_sum(divergence, mask, cp)
     elif level == "seq_mean":
-        per_seq = seq_sum(divergence, mask) / seq_count(mask, divergence.dtype).clamp_min(1)
-    elif mask.shape[-1] == 0:  # seq_max of empty rows (amax needs a non-empty dimension)
-        per_seq = divergence.new_zeros(mask.shape[:-1])
+        per_seq = seq_sum(divergence, mask, cp) / seq_count(mask, divergence.dtype, cp).clamp_min(1)
     else:  # seq_max; 0 for a sequence without active tokens (as verl); NaN propagates
-        per_seq = torch.where(mask, divergence, -math.inf).amax(-1)
-        per_seq = torch.where(mask.any(-1), per_seq, 0.0)
+        if mask.shape[-1] == 0:  # empty rows (amax needs a non-empty dimension)
+            per_seq = divergence.new_full(mask.shape[:-1], -math.inf)
+        else:
+            per_seq = torch.where(mask, divergence, -math.inf).amax(-1)
+        if cp is not None:
+            per_seq = cp.max(per_seq)
+        per_seq = torch.where(seq_any(mask, cp), per_seq, 0.0)
     return per_seq[:, None].expand(mask.shape)
 
 
@@ -271,6 +284,7 @@ def rejection(
     criterion: str,
     low: float | None,
     high: float | None,
+    cp=None,
 ) -> Rejection:
     """verl's rollout rejection (see the module docstring) on the padded layout.
 
@@ -281,12 +295,13 @@ def rejection(
         criterion: one of ``rlkernel.rl.config.ROLLOUT_REJECTIONS``.
         low, high: ``cfg.rollout_rs_min`` / ``cfg.rollout_rs_max`` (ratio bounds for k1, an upper
             divergence bound for k2/k3).
+        cp: context parallelism: the sequence statistics span every rank's slice.
 
     Returns:
         :class:`Rejection`, detached.
     """
     level, estimator = criterion.rsplit("_", 1)
-    stat = _statistic(_divergence(masked(old_logp - rollout_logp, mask), estimator), mask, level)
+    stat = _statistic(_divergence(masked(old_logp - rollout_logp, mask), estimator), mask, level, cp)
     inside = torch.ones_like(mask)
     if estimator == "k1":
         if low is not None:
@@ -308,6 +323,8 @@ def rejection_mask(
     mask: torch.Tensor,
     *,
     cu_seqlens: torch.Tensor | None = None,
+    cp_group: object | None = None,
+    cp_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mask that remains after ``cfg``'s rollout rejection: bool, the shape of ``mask``.
 
@@ -322,12 +339,27 @@ def rejection_mask(
             log-probs, detached).
         mask: bool/int/float, active where ``!= 0``.
         cu_seqlens: int ``[S + 1]`` for packed input.
+        cp_group, cp_positions: context parallelism, as in ``policy_loss`` (the tensors are this
+            rank's slice of every sequence; a sequence criterion reads the whole sequence). A
+            collective with the cross-rank checks of ``policy_loss``.
 
     Raises:
-        TypeError / ValueError: as ``policy_loss`` for the same tensors.
+        TypeError / ValueError: as ``policy_loss`` for the same tensors (under ``cp_group`` on
+            every rank alike).
     """
     if not isinstance(cfg, PolicyLossConfig):
         raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
+    cp = None
+    if cp_group is not None:
+        # The loss's own cross-rank check, on these tensors (the KL and advantages play no part).
+        cp = validate_batch(
+            dataclasses.replace(cfg, kl_coef=0.0), old_logp, old_logp=old_logp,
+            advantages=torch.zeros_like(old_logp) if isinstance(old_logp, torch.Tensor) else None,
+            mask=mask, rollout_logp=rollout_logp, cu_seqlens=cu_seqlens, like_name="old_logp",
+            cp_group=cp_group, cp_positions=cp_positions,
+        ).cp  # fmt: skip
+    elif cp_positions is not None:
+        raise ValueError("cp_positions applies with cp_group only (a context-parallel slice's positions)")
     mask = check.mask_tensor("mask", mask)
     check.float_like("old_logp", old_logp, "mask", mask)
     check.float_like("rollout_logp", rollout_logp, "mask", mask)
@@ -340,9 +372,8 @@ def rejection_mask(
     def padded(x: torch.Tensor) -> torch.Tensor:
         return finite_or_nan(seg.to_padded(x.detach().to(torch.promote_types(x.dtype, torch.float32))))
 
-    keep = rejection(
-        padded(old_logp), padded(rollout_logp), act2, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
-    ).keep
+    bounds = (cfg.rollout_rs_min, cfg.rollout_rs_max)
+    keep = rejection(padded(old_logp), padded(rollout_logp), act2, cfg.rollout_rs, *bounds, cp).keep
     if not seg.is_packed:
         return keep
     flat = torch.zeros(mask.shape[0] + 1, dtype=torch.bool, device=mask.device)

@@ -13,8 +13,9 @@ builders. The rules, in order:
    is not in place, else 3 passes; the per-token constants built on the device
    (:func:`device_plan_supported`) or, for what that does not cover, on the host.
 3. From logits, any other objective on the Triton kernels, eagerly, with a gradient to compute and
-   not float64: gspo / gspo_token / gmpo in closed form (``seq_token_loss.is_eligible``), the rest
-   by autograd inside the forward. (Without a gradient the composed path is the same two launches.)
+   not float64: gspo / gspo_token / gmpo in closed form (``seq_token_loss.is_eligible``, not under
+   ``cp_group``), the rest by autograd inside the forward. (Without a gradient the composed path
+   is the same two launches.)
 4. From hidden states, a token-level objective on the Triton kernels, eagerly, weight and hidden of
    one dtype, no ``tp_group``: the fused linear loss (3 GEMMs with a gradient).
 5. Everything else: the composed path on the kernels the primitive picks.
@@ -126,13 +127,14 @@ def _logits_route(f: RouteFacts, options: Options) -> Route:
 
 def device_plan_supported(batch: LossBatch) -> bool:
     """Whether the token-level kernels can build this call's per-token constants themselves: a
-    padded ``[B, T]`` batch (packed streams need ``cu_seqlens``' sequence index: host plan), no
+    padded ``[B, T]`` batch (packed streams need ``cu_seqlens``' sequence index: host plan), not
+    context-parallel (its counts span the group's ranks), no
     rollout correction, rejection or given rollout weights (their weights are host-plan algebra),
     and per-token tensors the kernels read flat (contiguous ``token_ids``, ``mask``, ``old_logp``,
     ``ref_logp``, per-token advantages)."""
     cfg = batch.cfg
-    if batch.cu_seqlens is not None or len(batch.token_shape) != 2:
-        return False
+    if batch.cu_seqlens is not None or len(batch.token_shape) != 2 or batch.cp is not None:
+        return False  # (context parallelism: the counts span the ranks, the host plan reduces them)
     if cfg.rollout_correction is not None or cfg.rollout_rs is not None or batch.rollout_weights is not None:
         return False
     flat = [batch.mask, batch.advantages, batch.old_logp, batch.ref_logp if cfg.kl_coef > 0 else None]
@@ -157,6 +159,9 @@ def route_facts(
     token_level, closed_form = _objective_kind(
         batch.cfg, batch.old_logp is None, batch.rollout_weights is not None
     )
+    # Context parallelism: the closed form's kernel sums each sequence in one program (it cannot see
+    # the other ranks' tokens): the autograd coefficients, whose algebra reduces over the group.
+    closed_form = closed_form and batch.cp is None
     compiling = torch.compiler.is_compiling()
     grad_mode = torch.is_grad_enabled()
     if logits is not None:

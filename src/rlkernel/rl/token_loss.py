@@ -72,6 +72,7 @@ from rlkernel.rl.aggregate import Segments, finite_or_nan, masked
 from rlkernel.rl.batch import LossBatch, validate_batch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.kl import canonical_kl_estimator
+from rlkernel.rl.loss import padded_width
 
 ELIGIBLE_LOSS_TYPES: tuple[str, ...] = ("ppo", "cispo", "sapo", "reinforce")
 
@@ -199,7 +200,7 @@ def _rollout_terms(batch: LossBatch, act2: torch.Tensor) -> tuple[torch.Tensor |
     """``(rollout_w, mask)`` on ``[S, L]``: the detached weight of the policy term — the correction's
     (over the given mask ``act2``, as ``policy_loss``), or the given ``rollout_weights``, times the
     rejection's NaN marker — or None; and the mask after rollout rejection (``act2`` without it)."""
-    cfg, seg = batch.cfg, batch.segments
+    cfg, seg, cp = batch.cfg, batch.segments, batch.cp
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         # ±inf becomes NaN (a truncated or rejected weight would hide it), as in policy_loss.
@@ -217,12 +218,13 @@ def _rollout_terms(batch: LossBatch, act2: torch.Tensor) -> tuple[torch.Tensor |
             cfg.rollout_clip_min,
             cfg.rollout_clip_max,
             batch_normalize=cfg.rollout_batch_normalize,
+            cp=cp,
         ).weight
     elif batch.rollout_weights is not None:
         weight = masked(padded(batch.rollout_weights), act2)
     if cfg.rollout_rs is not None:
         rejected = rollout.rejection(
-            old2, roll2, act2, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max
+            old2, roll2, act2, cfg.rollout_rs, cfg.rollout_rs_min, cfg.rollout_rs_max, cp
         )
         keep = rejected.keep
         weight = rejected.weight if weight is None else weight * rejected.weight
@@ -280,17 +282,19 @@ def plan_from_batch(
     else:
         adv_t = _to_tokens(adv.to(torch.float32)[:, None], seg, inverse)
 
-    # Aggregation: w_t = factor_t / (norm_mult · max(denom, floor)).
+    # Aggregation: w_t = factor_t / (norm_mult · max(denom, floor)). With a context-parallel group
+    # the counts are those of every rank (the unsplit batch's).
+    cp = batch.cp
     factor, denom, norm_mult, floor = None, None, 1.0, -math.inf
     if cfg.aggregation == "token-sum":
         pass  # w_t = 1: no denominator (and no global normalizer read)
     elif cfg.aggregation == "token-mean":
         if g_tokens is None:
-            denom, floor = active.sum(), 1.0
+            denom, floor = active.sum() if cp is None else cp.sum(active.sum()), 1.0
         else:
             norm_mult, denom = _normalizer(g_tokens, device)
     else:
-        counts = act2.sum(-1)
+        counts = act2.sum(-1) if cp is None else cp.seq_count(act2)
         if g_seqs is None:
             denom, floor = (counts > 0).sum(), 1.0
         else:
@@ -300,7 +304,8 @@ def plan_from_batch(
             if seg.is_packed:
                 factor = _to_tokens(factor[:, None], seg, inverse)
         elif cfg.aggregation == "seq-mean-token-sum-norm":
-            norm_mult *= float(cfg.norm_length if cfg.norm_length is not None else max(seg.max_len, 1))
+            length = cfg.norm_length if cfg.norm_length is not None else max(padded_width(batch), 1)
+            norm_mult *= float(length)
 
     if rollout_w is not None:
         rollout_w = _to_tokens(rollout_w, seg, inverse)
