@@ -23,6 +23,8 @@ from rlkernel.ops.routes import Route, record_routes
 from rlkernel.rl.fused import ROUTES
 from rlkernel.rl.routes import RouteFacts, choose_route
 
+# In the CPU suite (the interpreter) and, selected by the marker, in the GPU suite (compiled kernels).
+pytestmark = pytest.mark.gpu
 quiet = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
 # The kernels run where the inputs are: the CPU interpreter here, the GPU on a CUDA machine.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

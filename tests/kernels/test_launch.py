@@ -40,6 +40,21 @@ def test_arg_class_separates_what_triton_specializes_on():
             cls(other)
 
 
+def test_tuple_arguments_are_classed_element_by_element():
+    """A (named) tuple argument (the token-loss kernels' ``inputs`` and ``scalars``): Triton
+    specializes each element, so its class is the tuple of theirs."""
+    from rlkernel._token_loss_plan import TokenLossKernelScalars
+
+    cls = _launch._arg_class
+    t = torch.zeros(64, dtype=torch.float32)
+    assert cls((t, 3)) == (cls(t), cls(3))
+    assert cls((t, 3)) != cls((t[1:], 3)) != cls((t, 16))
+    scalars = TokenLossKernelScalars(*(float(i) for i in range(10)))
+    assert cls(scalars) == tuple(cls(float(i)) for i in range(10))
+    with pytest.raises(TypeError, match="no fast-launch class"):
+        cls((t, None))
+
+
 def test_descriptor_class_is_dtype_block_shape_and_layout_options():
     """A host TMA descriptor: Triton specializes on dtype and block shape (the map itself is encoded
     from base, shape and strides at every launch), so those and padding / rank separate classes,
@@ -204,3 +219,33 @@ def test_linear_head_gemms_fast_launch_with_descriptors_is_bitwise_tritons():
         fast, slow = _both(grad)
         assert torch.equal(fast, slow)
     assert lh._launch_stats.hits > hits[0] and lh._launch_grad.hits > hits[1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_device_plan_rows_kernel_fast_launch_is_bitwise_tritons():
+    """The device-built token-level loss (named-tuple arguments through the fast launcher): loss,
+    log-probs and the backward's inputs bitwise those of Triton's own launch, 2 and 3 passes."""
+    from rlkernel.kernels import token_loss_rows as kr
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    cfg = rk.PolicyLossConfig.preset("dapo", kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    base = torch.randn(4, 70, 3000, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    kw = dict(
+        token_ids=torch.randint(0, 3000, (4, 64), device="cuda", generator=g),
+        old_logp=torch.randn(4, 64, device="cuda", generator=g) - 8,
+        ref_logp=torch.randn(4, 64, device="cuda", generator=g) - 8,
+        advantages=torch.randn(4, device="cuda", generator=g),
+        mask=torch.rand(4, 64, device="cuda", generator=g) > 0.3,
+    )
+    for max_vocab in (0, 1 << 30):  # 3 passes, then 2
+        def call(max_vocab=max_vocab):
+            with rk.use_options(grad_in_forward_max_vocab=max_vocab):
+                out = rk.fused_policy_loss(cfg, logits=base[:, 5:-1], **kw)
+                (grad,) = torch.autograd.grad(out.loss, base)
+            return out.loss, grad, out.route
+
+        hits = kr._launch_rows.hits
+        fast, slow = _both(call)
+        assert kr._launch_rows.hits > hits and fast[2].plan == "device"
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
