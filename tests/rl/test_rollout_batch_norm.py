@@ -24,10 +24,10 @@ from .mask_helpers import (
     F32_TOL,
     F64_TOL,
     VerlActorConfig,
+    force_passes,
     interpreter_quiet,
     on_device,
     problem,
-    token_path_spy,
     triton_vs_reference,
     verl_modules,
 )
@@ -185,11 +185,11 @@ def test_the_token_level_plan_takes_it(name, correction):
 
 @interpreter_quiet
 @pytest.mark.parametrize("correction", ["token_tis", "seq_mis"])
-def test_the_fused_kernel_path_takes_it(correction, monkeypatch, set_options):
-    calls = token_path_spy(monkeypatch, set_options)
+def test_the_fused_kernel_path_takes_it(correction, set_options):
+    passes = force_passes(set_options)
     cfg = _cfg("ppo", correction, kl_coef=0.1, aggregation="seq-mean-token-mean")
     a, b, ga, gb = triton_vs_reference(cfg, on_device(problem(seed=4)))
-    assert calls
+    assert (a.route.objective, a.route.passes, a.route.plan) == ("token", passes, "host"), str(a.route)
     torch.testing.assert_close(a.loss, b.loss, **F32_TOL)
     torch.testing.assert_close(ga, gb, **F32_TOL)
     assert a.metrics["rollout_norm_factor"] == pytest.approx(b.metrics["rollout_norm_factor"].item())
