@@ -274,6 +274,12 @@ def device_plan_forward(
     else:
         grad, stride_db, stride_dt = block, 0, 0
     count = plan.count
+    if n == 0:  # no token: nothing to count or score (no launch reads an empty tensor's pointer)
+        loss.zero_()
+        counts.zero_()
+        if host is not None:  # no rows kernel to write the id check's result: none is bad
+            host.zero_()
+        return loss, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
     with _device_guard(logits):
         _launch_counts(
             (1,),
@@ -281,11 +287,6 @@ def device_plan_forward(
             {"COUNT": count, "FACTOR": plan.factor_per_seq, "BLOCK": COUNT_BLOCK},
             {"num_warps": 4},
         )
-        if n == 0:
-            loss.zero_()
-            if host is not None:  # no rows kernel to write the id check's result: none is bad
-                host.zero_()
-            return loss, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
         cfg = lp.fwd_config(n_cols, logits.dtype, with_entropy=want_entropy)
         absent = block
         rows = (1, 0, 0) if window_rows is None else window_rows
