@@ -9,11 +9,18 @@ from rlkernel import _validate as check
 
 
 def check_common(
-    name: str, x: torch.Tensor, token_ids: object, temperature: float, ignore_index: int
+    name: str,
+    x: torch.Tensor,
+    token_ids: object,
+    temperature: float,
+    ignore_index: int,
+    *,
+    ids_checked: bool = False,
 ) -> torch.Tensor:
     """The checks both primitives make of ``token_ids`` (int, the leading shape and device of
-    ``x``), ``temperature`` and ``ignore_index``; returns the ids."""
-    ids = check.int_tensor("token_ids", token_ids)
+    ``x``), ``temperature`` and ``ignore_index``; returns the ids. ``ids_checked``: the caller
+    already checked that ``token_ids`` is an int tensor (each input is checked once)."""
+    ids = token_ids if ids_checked else check.int_tensor("token_ids", token_ids)
     check.same_shape("token_ids", ids, f"{name}.shape[:-1]", x.shape[:-1])
     check.same_device("token_ids", ids, name, x.device)
     # In float32's normal range, as the config's fields: the logits are divided by it in float32.
@@ -31,9 +38,11 @@ def check_linear_inputs(
     ignore_index: int,
     *,
     shard: bool = False,
+    ids_checked: bool = False,
 ) -> torch.Tensor:
     """The checks of :func:`linear_token_logprobs` (all but the id range); returns the int ids.
-    ``shard``: ``weight`` is this rank's vocabulary shard (the vocab-parallel path's wording)."""
+    ``shard``: ``weight`` is this rank's vocabulary shard (the vocab-parallel path's wording);
+    ``ids_checked``: as :func:`check_common`'s."""
     check.float_tensor("hidden", hidden, min_dim=1)
     check.float_tensor("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -51,4 +60,4 @@ def check_linear_inputs(
         check.float_tensor("bias", bias)
         check.same_shape("bias", bias, "weight.shape[:1]", weight.shape[:1])
         check.same_device("bias", bias, "hidden", hidden.device)
-    return check_common("hidden", hidden, token_ids, temperature, ignore_index)
+    return check_common("hidden", hidden, token_ids, temperature, ignore_index, ids_checked=ids_checked)

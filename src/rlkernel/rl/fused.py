@@ -268,12 +268,12 @@ def fused_policy_loss(
     tp = tp_group is not None
     if logits is not None:
         check.float_tensor("logits", logits, min_dim=1)
-        check_common("logits", logits, token_ids, temperature, IGNORE_INDEX)
+        check_common("logits", logits, token_ids, temperature, IGNORE_INDEX, ids_checked=True)
         vocab = logits.shape[-1]
         if vocab < 1:
             raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
     elif not tp:  # vocab-parallel: validated across ranks by the primitive (every rank raises alike)
-        check_linear_inputs(hidden, weight, token_ids, bias, temperature, IGNORE_INDEX)
+        check_linear_inputs(hidden, weight, token_ids, bias, temperature, IGNORE_INDEX, ids_checked=True)
         vocab = weight.shape[0]
     else:
         vocab = 0  # this rank's shard is not the vocabulary; the route does not read it
