@@ -47,8 +47,10 @@ import contextlib
 import datetime
 import gc
 import json
+import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -335,17 +337,20 @@ def table(report: dict) -> str:
 
 
 def markdown(report: dict, image: str | None = None) -> str:
-    """The docs block: the run's settings, one table row per trainer, the per-step mismatch."""
-    runs, m = report["runs"], report["model"]
-    size = report["size"]
+    """The docs block: the run's settings, one table row per trainer, the totals, the per-step mismatch."""
+    runs, m, size, opts = report["runs"], report["model"], report["size"], report["options"]
+    v = report["versions"]
+    first = next(iter(runs.values()))["summary"]["timed_steps"]
     lines = [
-        f"Measured {report['date'][:10]} on {report['device']} (torch {report['versions']['torch']}, "
-        f"transformers {report['versions']['transformers']}, TRL {report['versions']['trl']}): a random-init "
-        f"Qwen3 of {m['parameters'] / 1e6:.0f} M parameters (vocabulary {m['vocab']:,}), bf16, "
-        f"{size['steps']} optimizer steps of {size['batch'] * report['options']['accumulation']} completions "
-        f"(<= {size['completion']} tokens), gradient accumulation {report['options']['accumulation']}, "
-        f"steps_per_generation {report['options']['steps_per_generation']}. Medians per step after the "
-        "first two; `scripts/trl_true_on_policy.py` wrote these numbers (`--docs` regenerates this block).",
+        f"Measured {report['date'][:10]} on {report['device']} (commit {report.get('commit') or 'unknown'}; "
+        f"torch {v['torch']}, triton {v.get('triton')}, transformers {v['transformers']}, TRL {v['trl']}): a "
+        f"random-init Qwen3 of {m['parameters'] / 1e6:.3g} M parameters (vocabulary {m['vocab']:,}), bf16, "
+        f"{size['steps']} optimizer steps of {size['batch'] * opts['accumulation']} completions "
+        f"(<= {size['completion']} tokens), gradient accumulation {opts['accumulation']}, "
+        f"steps_per_generation {opts['steps_per_generation']}. Step: mean over steps {first[0]}..{first[-1]} "
+        "(the first generation compiles); generation and scoring: medians over those steps that generate; "
+        "loss + backward: median per step; the mismatch over every measured step. Written by "
+        "`scripts/trl_true_on_policy.py` (`--docs` regenerates this block from the results JSON).",
         "",
         "| trainer | step s | generation s | scoring s | scoring forwards | loss + backward s | peak GiB "
         "| \\|Δlogp\\| mean | \\|Δlogp\\| max | IS ratio min .. max | reward first → last |",
@@ -362,8 +367,14 @@ def markdown(report: dict, image: str | None = None) -> str:
         )
     lines.append("")
     for run in runs.values():
+        t = run["summary"]["totals_s"]
         per_step = ", ".join(f"{s['step']}: {s[METRICS[1]]:.3g}" for s in run["steps"] if METRICS[1] in s)
-        lines.append(f"- {run['trainer']}, max |Δlogp| per measured step: {per_step or 'none'}")
+        lines.append(
+            f"- {run['trainer']}: steps {first[0]}..{first[-1]} took {t['step_s']:.2f} s (generation "
+            f"{t['generation_s']:.2f}, scoring {t['scoring_s']:.3f}, loss + backward "
+            f"{t['loss_backward_s']:.2f}); "
+            f"max |Δlogp| per measured step: {per_step or 'none'}"
+        )
     if image:
         lines += ["", f"![reward, mismatch and step time per step]({image})"]
     return "\n".join(lines)
@@ -424,6 +435,15 @@ def plot(report: dict, path: Path) -> Path | None:
                  f"{count / 1e6:.3g} M parameters", y=0.99)  # fmt: skip
     fig.savefig(path, dpi=110)
     return path
+
+
+def _git_commit() -> str | None:
+    try:
+        command = ["git", "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10, cwd=Path(__file__).parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -517,6 +537,7 @@ def _run(options: argparse.Namespace) -> dict:
     size = options.size_values
     report = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=os.environ.get("RLKERNEL_GIT_COMMIT") or _git_commit(),
         device=torch.cuda.get_device_name() if cuda else "cpu", versions=versions(),
         options={k: v for k, v in vars(options).items() if k not in ("size_values",)}, size=size, runs={},
     )  # fmt: skip
