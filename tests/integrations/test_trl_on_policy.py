@@ -377,3 +377,58 @@ def test_refused_after_construction(model_dir, tmp_path):
         build(model_dir, tmp_path, model=mistral)
     with pytest.raises(TypeError, match="true_on_policy"):
         build(model_dir, tmp_path, true_on_policy=1)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU tensors run the Triton kernels only in the interpreter"
+)
+def test_trl_layout_on_the_triton_path_in_the_interpreter():
+    """The GPU code path (Triton kernels, interpreted) on a one-layer bf16 micro model, as the trainer
+    runs it: SamplerLogprobs over generate() of left-padded prompts; TRL's training layout (the
+    left-padded prompts + the right-padded completions, one prefill) with the generation positions;
+    the loss through fused_policy_loss(invariant=True) with the sampler's log-probs as old_logp: its
+    log-probs are the sampler's bit for bit (ratio exactly 1). bf16 logits, as the GPU run has them
+    (float32 logits: the same chain, tests/invariant/test_invariant_lm_head.py)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import rlkernel as rk
+    from rlkernel.integrations.trl.on_policy import generation_positions
+    from rlkernel.integrations.trl.sampler import SamplerLogprobs
+    from rlkernel.invariant import patch_hf_model
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=0, eos_token_id=1,
+              tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(1)
+    model = Qwen3ForCausalLM(Qwen3Config(**kw)).to(torch.bfloat16)
+    patch_hf_model(model)
+    lens, width, gen, tau = [2, 4, 3], 4, 3, 0.9
+    prompt_mask = torch.tensor([[0] * (width - n) + [1] * n for n in lens])
+    prompt = torch.randint(2, 64, (3, width), generator=torch.Generator().manual_seed(2)) * prompt_mask
+    # The "single" GEMM table, as tests/invariant does: the tuned decode tiles take ~10x longer to interpret.
+    options = rk.use_options(linear_chunk_bytes=1, linear_grad_bytes=1, matmul_table="single")
+    with rk.use_backend("triton"), options:
+        torch.manual_seed(3)
+        with SamplerLogprobs(model, tau) as sampler, torch.no_grad():
+            out = model.generate(
+                input_ids=prompt, attention_mask=prompt_mask, do_sample=True, temperature=tau,
+                max_new_tokens=gen, pad_token_id=0, eos_token_id=1,
+            )  # fmt: skip
+        completions = out[:, width:]
+        kept = sampler.logprobs(completions)
+        attention_mask = torch.cat([prompt_mask, torch.ones_like(completions)], 1)
+        hidden = model.model(
+            input_ids=torch.cat([prompt, completions], 1), attention_mask=attention_mask,
+            position_ids=generation_positions(attention_mask), use_cache=False,
+        ).last_hidden_state[:, width - 1 : -1]  # fmt: skip
+        cfg = rk.PolicyLossConfig.preset("dapo")
+        mask = torch.ones_like(completions, dtype=torch.bool)
+        loss = rk.fused_policy_loss(
+            cfg, token_ids=completions, old_logp=kept, advantages=torch.tensor([1.0, -0.5, 0.25]),
+            mask=mask, hidden=hidden, weight=model.lm_head.weight, temperature=tau, invariant=True,
+        )  # fmt: skip
+        with torch.no_grad():
+            head = model.lm_head.weight
+            logp = rk.linear_token_logprobs(hidden, head, completions, temperature=tau, invariant=True)
+    assert torch.equal(logp, kept)
+    assert loss.metrics["ratio_min"].item() == loss.metrics["ratio_max"].item() == 1.0
