@@ -432,3 +432,30 @@ def test_trl_layout_on_the_triton_path_in_the_interpreter():
             logp = rk.linear_token_logprobs(hidden, head, completions, temperature=tau, invariant=True)
     assert torch.equal(logp, kept)
     assert loss.metrics["ratio_min"].item() == loss.metrics["ratio_max"].item() == 1.0
+
+
+QWEN3_VOCAB = 151936
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fp32_logits", [False, True])
+def test_true_on_policy_on_the_gpu(tmp_path_factory, tmp_path, fp32_logits):
+    """On a CUDA device (the Triton kernels), the tiny model with Qwen3's 151,936-row LM head in bf16
+    under bf16 autocast: 4 steps, a generation every 2; the mismatch exactly 0 on the measured steps,
+    no scoring forward; the stock trainer on the same start measures a mismatch > 0."""
+    require_trl()
+    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen3_vocab")), vocab=QWEN3_VOCAB)
+    runs, overrides = {}, RUNS["dapo, accumulation 2, steps_per_generation 4"]
+    for true_on_policy in (True, False):
+        model = load_model(model_dir).to(device="cuda", dtype=torch.bfloat16)
+        trainer = build(
+            model_dir, tmp_path / str(true_on_policy), model=model, true_on_policy=true_on_policy,
+            use_cpu=False, cast_lm_head_to_fp32=fp32_logits, **overrides,
+        )  # fmt: skip
+        runs[true_on_policy] = train(trainer)
+    logs, policy, _ = runs[True]
+    measured = [[entry[name] for name in METRICS] for entry in logs if METRICS[0] in entry]
+    assert measured == [[0.0, 0.0, 1.0, 1.0, 1.0]] * 2 and policy["scoring"] == 0
+    logs, policy, _ = runs[False]
+    assert all(entry[METRICS[1]] > 0 for entry in logs if METRICS[0] in entry) and policy["scoring"] > 0

@@ -18,9 +18,12 @@ Three things must hold for the equality, and each is made to hold or refused her
   ``cumsum(mask) − 1``; TRL's training forward passes no ``position_ids``, so a left-padded row's
   tokens sit at positions shifted by its padding and RoPE rounds differently: measured on the CPU, a
   patched model's log-probs then differ by ~1e-3. True on-policy passes :func:`generation_positions`.
-* **The same dtypes.** ``bf16=True`` / ``fp16=True`` run the loss forward under autocast while
-  ``generate()`` runs outside it: a model whose parameters are not in that dtype would compute in
-  float32 in one and in 16 bits in the other (refused). ``cast_lm_head_to_fp32=True`` maps onto
+* **The same dtypes.** With ``bf16=True`` / ``fp16=True`` accelerate wraps the model's forward in
+  autocast, so ``generate()`` and the loss forward both run under it: the patched linears (the
+  sampler's LM head included) cast to the 16-bit dtype as ``F.linear`` does, while rlkernel's
+  LM-head ops in the loss run in the weight's dtype whatever the autocast. Parameters in another
+  dtype than the autocast's (float32 weights under bf16 AMP) would give the loss float32 logits
+  and the sampler 16-bit ones: refused. ``cast_lm_head_to_fp32=True`` maps onto
   float32 *logits* on both sides (``patch_hf_model(lm_head_dtype=torch.float32)`` for the sampler,
   ``logits_dtype=torch.float32`` for the loss) from the LM-head weight in the model's dtype; TRL's
   flag would also store the policy's LM-head weight in float32 (:func:`config_for_trl`).
@@ -147,9 +150,10 @@ def check_trainer(trainer: object, model: nn.Module) -> None:
         if want is None or other:
             raise _refuse(
                 f"mixed precision {precision!r} with parameters in {', '.join(other) or precision}",
-                "the loss forward runs under autocast, generate() outside it, so the two would compute in "
-                f"different dtypes; load the model in {want or 'the autocast dtype'} (e.g. "
-                "dtype=torch.bfloat16) or set bf16=False / fp16=False",
+                "generate() and the loss forward run under its autocast, where the patched linears (the "
+                "sampler's LM head) compute in 16 bits but rlkernel's LM-head ops in the loss in the "
+                "weight's dtype, so the two logits would differ; load the model in "
+                f"{want or 'the autocast dtype'} (e.g. dtype=torch.bfloat16) or set bf16=False / fp16=False",
             )
     dropout = [name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if dropout:
