@@ -45,16 +45,12 @@ RUNS = {
     "fp32 logits, beta, entropy bonus, 2 iterations": dict(
         cast_lm_head_to_fp32=True, beta=0.04, entropy_coef=0.01, num_iterations=2, loss_type="grpo"
     ),
-    # Sampling processors change what is drawn, not the kept log-probs; gradient checkpointing.
-    "top-k/top-p/min-p/repetition penalty, gradient checkpointing": dict(
-        top_k=50,
-        top_p=0.95,
-        min_p=0.01,
-        repetition_penalty=1.1,
-        temperature=0.8,
-        gradient_checkpointing=True,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
+    # Sampling processors change what is drawn, not the kept log-probs; gradient checkpointing; the
+    # off-policy sequence mask and the top-entropy quantile (fused_policy_loss's other route).
+    "top-k/top-p/min-p/repetition penalty, gradient checkpointing, OPSM, entropy quantile": dict(
+        top_k=50, top_p=0.95, min_p=0.01, repetition_penalty=1.1, temperature=0.8,
+        gradient_checkpointing=True, off_policy_mask_threshold=0.5, top_entropy_quantile=0.5,
+        gradient_accumulation_steps=2, steps_per_generation=4,
     ),  # fmt: skip
 }
 
