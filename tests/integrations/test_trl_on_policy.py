@@ -147,6 +147,9 @@ def test_true_on_policy_mismatch_is_exactly_zero_without_a_scoring_pass(model_di
         assert bool((batch["sampler_per_token_logps"][batch["completion_mask"].bool()] < 0).all())
     moved = max((p.detach() - initial[n]).abs().max().item() for n, p in trainer.model.named_parameters())
     assert moved > 0  # training changed the weights between generations
+    if run == next(iter(RUNS)):  # evaluation: its own generation and loss pass, measured as well
+        metrics = trainer.evaluate(eval_dataset=dataset())
+        assert [metrics[f"eval_{name}"] for name in METRICS] == [0.0, 0.0, 1.0, 1.0, 1.0]
 
 
 def test_stock_trainer_measures_the_mismatch_and_scores(model_dir, tmp_path):
