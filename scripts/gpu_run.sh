@@ -19,6 +19,10 @@
 #                   results/. Needs the wheels of trl, datasets, dill, multiprocess in .whl/ (~5 min
 #                   on an H100: give it STEP_TIMEOUT=540). TRL_COMPARE_ARGS reaches it, e.g.
 #                   "--precisions amp" (float32 weights under bf16 autocast) or "--settings defaults".
+#   trl_on_policy   scripts/trl_true_on_policy.py: stock trl.GRPOTrainer vs RLKernelGRPOTrainer(true_on_policy=True),
+#                   20 GRPO steps each of a random-init 500 M Qwen3 (bf16, vocabulary 151,936); table in the log,
+#                   JSON + PNG in results/trl_true_on_policy/. Same wheels as trl_trainer (~3-4 min on an H100:
+#                   give it STEP_TIMEOUT=420). TRL_ON_POLICY_ARGS reaches it, e.g. "--steps 30".
 # BENCH_ARGS reaches the bench steps, e.g. the opt-in variants: BENCH_ARGS="--impl rlkernel,rlkernel_composed".
 # Outputs: $OUT/gpu_run.tgz (logs/<step>.log and results/*), and a summary table at the end.
 set -uo pipefail
@@ -54,6 +58,7 @@ step_cmd() {
     bench_*) echo "python3 -m rlkernel.bench ${1#bench_} --out $RESULTS_DIR ${BENCH_ARGS:-}" ;;
     # Offline: every model, tokenizer and dataset is made in-process (no hub look-ups to time out).
     trl_trainer) echo "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python3 scripts/trl_trainer_compare.py --out $RESULTS_DIR/trl_trainer_compare.json ${TRL_COMPARE_ARGS:-}" ;;
+    trl_on_policy) echo "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 python3 scripts/trl_true_on_policy.py --out $RESULTS_DIR/trl_true_on_policy ${TRL_ON_POLICY_ARGS:-}" ;;
     *) echo "false unknown-step-$1" ;;
   esac
 }

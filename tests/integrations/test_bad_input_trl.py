@@ -236,4 +236,9 @@ def test_the_trainer_shows_trls_signature():
 
     from rlkernel.integrations.trl import RLKernelGRPOTrainer
 
-    assert inspect.signature(RLKernelGRPOTrainer) == inspect.signature(GRPOTrainer)
+    ours, theirs = inspect.signature(RLKernelGRPOTrainer), inspect.signature(GRPOTrainer)
+    # TRL's parameters, then the one keyword of its own (true on-policy, off by default).
+    assert list(ours.parameters.values())[:-1] == list(theirs.parameters.values())
+    extra = list(ours.parameters.values())[-1]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    assert (extra.name, extra.kind, extra.default) == ("true_on_policy", keyword, False)

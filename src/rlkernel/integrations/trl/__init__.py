@@ -2,7 +2,7 @@
 
     from rlkernel.integrations.trl import RLKernelGRPOTrainer   # instead of trl.GRPOTrainer
 
-Three entry points:
+Entry points:
 
     RLKernelGRPOTrainer      ``trl.GRPOTrainer`` (same constructor) whose loss is
                              ``rk.fused_policy_loss(hidden=..., weight=lm_head.weight, ...)`` (or,
@@ -15,6 +15,14 @@ Three entry points:
     use_rlkernel_lm_head     applied to a ``GRPOTrainer``'s policy and reference models: TRL's current,
                              old and reference log-probs and entropies go through rlkernel, TRL's
                              loss stays.
+
+    SamplerLogprobs          keeps the sampler's per-token log-probs while ``model.generate`` samples
+    sampling_metrics         (TRL's training semantics); the mismatch against a trainer's log-probs
+                             under TRL's ``sampling/*`` metric names.
+
+``RLKernelGRPOTrainer(..., true_on_policy=True)`` patches the policy with
+``rlkernel.invariant.patch_hf_model``: the sampler's log-probs are then the trainer's bit for bit and
+serve as the old log-probs (no scoring forward); see :mod:`rlkernel.integrations.trl.on_policy`.
 
 Version: TRL 1.16.x only (tested with 1.16.0); anything else raises ``RuntimeError`` naming the pin.
 ``policy_config_from_trl`` and ``add_rlkernel_lm_head`` do not import TRL at import time; the trainer
@@ -33,14 +41,17 @@ from rlkernel.integrations.trl.config import (
     policy_config_from_trl,
 )
 from rlkernel.integrations.trl.head import add_rlkernel_lm_head, use_rlkernel_lm_head
+from rlkernel.integrations.trl.sampler import SamplerLogprobs, sampling_metrics
 
 __all__ = [
     "SUPPORTED_SERIES",
     "TESTED_VERSIONS",
     "RLKernelGRPOTrainer",
+    "SamplerLogprobs",
     "add_rlkernel_lm_head",
     "plan_from_trl",
     "policy_config_from_trl",
+    "sampling_metrics",
     "use_rlkernel_lm_head",
 ]
 
