@@ -26,6 +26,7 @@ COVERED = [
     "rlkernel.integrations.trl.config:plan_from_trl",
     "rlkernel.integrations.trl.head:add_rlkernel_lm_head",
     "rlkernel.integrations.trl.head:use_rlkernel_lm_head",
+    "rlkernel.integrations.trl.sampler:SamplerLogprobs",
 ]
 
 
@@ -242,3 +243,17 @@ def test_the_trainer_shows_trls_signature():
     extra = list(ours.parameters.values())[-1]
     keyword = inspect.Parameter.KEYWORD_ONLY
     assert (extra.name, extra.kind, extra.default) == ("true_on_policy", keyword, False)
+
+
+def test_sampler_logprobs_bad_input():
+    """``SamplerLogprobs`` takes a module and a positive temperature, and records once at a time."""
+    from rlkernel.integrations.trl.sampler import SamplerLogprobs
+
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        SamplerLogprobs("model", temperature=1.0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be a number > 0"):
+            SamplerLogprobs(torch.nn.Linear(2, 2), temperature=bad)
+    recorder = SamplerLogprobs(torch.nn.Linear(2, 2), temperature=1.0)
+    with recorder, pytest.raises(RuntimeError, match="already recording"):
+        recorder.__enter__()

@@ -116,9 +116,9 @@ def token_logprobs_checked(
     twice): dispatch to the Triton path or the reference."""
     # fp64 has no kernel (the kernels accumulate in fp32): it takes the reference under every mode.
     backend = _dispatch.resolve_backend(logits.device, has_kernel=logits.dtype != torch.float64)
-    kernels = "compiled" if backend == "triton" and torch.compiler.is_compiling() else backend
-    needs_grad = logits.requires_grad and torch.is_grad_enabled()
-    route_log.note_route(route_log.logprobs_route(kernels=kernels, needs_grad=needs_grad))
+    if route_log.recording():
+        needs_grad = logits.requires_grad and torch.is_grad_enabled()
+        route_log.note_route(route_log.logprobs_route(kernels=backend, needs_grad=needs_grad))
     if backend == "triton":
         logp, entropy = _triton_token_logprobs()(
             logits,

@@ -27,6 +27,8 @@ import threading
 from collections.abc import Iterator
 from typing import Literal
 
+import torch
+
 Source = Literal["logits", "hidden"]
 Objective = Literal["logprobs", "token", "sequence", "autograd", "composed"]
 Kernels = Literal["triton", "reference", "compiled"]
@@ -156,8 +158,9 @@ def record_routes() -> Iterator[list[Route]]:
 
 def recording() -> bool:
     """Whether a :func:`record_routes` block is open in this thread (a route that costs work to
-    describe is described only then)."""
-    return bool(getattr(_local, "stack", None))
+    describe is described only then). False inside ``torch.compile`` tracing: a traced frame records
+    nothing (a side effect Dynamo would have to replay)."""
+    return bool(getattr(_local, "stack", None)) and not torch.compiler.is_compiling()
 
 
 def note_route(route: Route) -> Route:

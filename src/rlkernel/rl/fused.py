@@ -283,11 +283,15 @@ def fused_policy_loss(
         inplace_backward=inplace_backward, vocab_parallel=tp, invariant=inv_dtype is not None,
         options=opts,
     )  # fmt: skip
-    route = route_log.note_route(choose_route(facts, opts))
+    route = choose_route(facts, opts)
     call = _Call(cfg, batch, token_ids, vocab, logits, hidden, weight, bias, float(temperature), tp_group,
                  validate, inplace_backward, inv_dtype, opts)  # fmt: skip
-    with route_log.quiet():  # the primitives a route runs do not add their own routes
+    if torch.compiler.is_compiling():  # no recording (a thread-local side effect) in a traced frame
         out = ROUTES[route.key](route, call)
+    else:
+        route_log.note_route(route)
+        with route_log.quiet():  # the primitives a route runs do not add their own routes
+            out = ROUTES[route.key](route, call)
     out.route = route
     return out
 

@@ -81,6 +81,8 @@ def choose_route(facts: RouteFacts, options: Options) -> Route:
     """The route of a call with these facts under these options (the rules of the module docstring).
     Pure: no tensor is read, nothing is launched (hence memoized: a training loop asks the same
     question every step)."""
+    if torch.compiler.is_compiling():  # no global side effect in a traced frame (Dynamo replays them)
+        return _choose(facts, options)
     key = (facts, options)
     route = _CHOSEN.get(key)
     if route is None:
@@ -204,7 +206,7 @@ _KINDS: dict[tuple, tuple[bool, bool]] = {}
 def _objective_kind(cfg, on_policy: bool, has_rollout_weights: bool) -> tuple[bool, bool]:
     """``(token_level, closed_form)`` of an objective (memoized: a function of the frozen config)."""
     key = (cfg, on_policy, has_rollout_weights)
-    kind = _KINDS.get(key)
+    kind = None if torch.compiler.is_compiling() else _KINDS.get(key)
     if kind is None:
         if len(_KINDS) > 1024:
             _KINDS.clear()
@@ -212,7 +214,9 @@ def _objective_kind(cfg, on_policy: bool, has_rollout_weights: bool) -> tuple[bo
         closed_form = not token_level and seq_token_loss.is_eligible(
             cfg, on_policy=on_policy, has_rollout_weights=has_rollout_weights
         )
-        kind = _KINDS[key] = (token_level, closed_form)
+        kind = (token_level, closed_form)
+        if not torch.compiler.is_compiling():
+            _KINDS[key] = kind
     return kind
 
 

@@ -336,6 +336,8 @@ def _scalars(
 ) -> TokenLossScalars:
     """The :class:`TokenLossScalars` of ``cfg`` with the aggregation's ``norm_mult`` and ``floor``
     (memoized: a function of the frozen config and three numbers, asked for on every call)."""
+    if torch.compiler.is_compiling():  # no global side effect in a traced frame (Dynamo replays them)
+        return _make_scalars(cfg, norm_mult, floor, policy_term)
     key = (cfg, norm_mult, floor, policy_term)
     found = _SCALARS.get(key)
     if found is None:
