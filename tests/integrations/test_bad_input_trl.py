@@ -27,6 +27,7 @@ COVERED = [
     "rlkernel.integrations.trl.head:add_rlkernel_lm_head",
     "rlkernel.integrations.trl.head:use_rlkernel_lm_head",
     "rlkernel.integrations.trl.sampler:SamplerLogprobs",
+    "rlkernel.integrations.trl.sampler:sampling_metrics",
 ]
 
 
@@ -257,3 +258,13 @@ def test_sampler_logprobs_bad_input():
     recorder = SamplerLogprobs(torch.nn.Linear(2, 2), temperature=1.0)
     with recorder, pytest.raises(RuntimeError, match="already recording"):
         recorder.__enter__()
+
+
+def test_sampling_metrics_bad_input():
+    from rlkernel.integrations.trl.sampler import sampling_metrics
+
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    with pytest.raises(ValueError, match="must have the same shape"):
+        sampling_metrics(a, b[:, :2])
+    with pytest.raises(ValueError, match="mask"):
+        sampling_metrics(a, b, torch.ones(3, 2, dtype=torch.bool))
