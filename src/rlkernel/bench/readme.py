@@ -159,11 +159,10 @@ def _run_line(suites: dict[str, list[dict[str, str]]]) -> str:
     for name, rows in suites.items():
         if rows:
             r = rows[0]
-            runs.append(f"`{name}` {r.get('date_utc', '')[:10]} at `{r.get('commit')}`")
-    gpus = _versions([rows[0] for rows in suites.values() if rows], "gpu")
+            runs.append(f"`{name}` on {r.get('gpu')} {r.get('date_utc', '')[:10]} at `{r.get('commit')}`")
     smoke = any(rows and rows[0].get("device") == "cpu" for rows in suites.values())
     warn = " **CPU smoke run: not a performance measurement.**" if smoke else ""
-    return f"{gpus}; runs: {', '.join(runs)}.{warn}"
+    return f"Runs: {', '.join(runs)} (each suite's rows from one run, on one GPU).{warn}"
 
 
 PEER_NOTES = """\
