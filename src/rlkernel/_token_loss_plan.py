@@ -350,20 +350,10 @@ class TokenLossPlan:
 
     def kernel_branches(self) -> TokenLossBranches:
         """The kernels' constexpr branch choices for this plan (one compiled kernel per value)."""
-        s = self.scalars
-        return TokenLossBranches(
-            LOSS=LOSS_CODES[s.loss],
-            KL=KL_CODES[s.kl],
-            KL_STRAIGHT=bool(s.kl_straight),
-            HAS_DUAL=s.dual_clip is not None,
-            HAS_OLD=self.old is not None,
-            HAS_ENTROPY=s.want_entropy,
-            HAS_ROLLOUT=self.rollout_w is not None,
-            HAS_FACTOR=self.factor is not None,
-            HAS_DENOM=self.denom is not None,
-            ADV_PER_SEQ=bool(self.adv_per_seq),
-            FACTOR_PER_SEQ=bool(self.factor_per_seq),
-        )
+        return _branches(
+            self.scalars, self.old is not None, self.rollout_w is not None, self.factor is not None,
+            self.denom is not None, self.adv_per_seq, self.factor_per_seq,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ as custom-op arguments
     def op_args(self) -> tuple:
@@ -475,23 +465,38 @@ class DevicePlan(NamedTuple):
                self.adv_per_seq)  # fmt: skip
         found = _BRANCHES.get(key)
         if found is None:
-            s = self.scalars
             if len(_BRANCHES) > 1024:
                 _BRANCHES.clear()
-            found = _BRANCHES[key] = TokenLossBranches(
-                LOSS=LOSS_CODES[s.loss],
-                KL=KL_CODES[s.kl],
-                KL_STRAIGHT=bool(s.kl_straight),
-                HAS_DUAL=s.dual_clip is not None,
-                HAS_OLD=self.old is not None,
-                HAS_ENTROPY=s.want_entropy,
-                HAS_ROLLOUT=False,
-                HAS_FACTOR=self.factor_per_seq,
-                HAS_DENOM=self.count != COUNT_NONE or self.denom is not None,
-                ADV_PER_SEQ=bool(self.adv_per_seq),
-                FACTOR_PER_SEQ=self.factor_per_seq,
-            )
+            found = _BRANCHES[key] = _branches(
+                self.scalars, self.old is not None, False, self.factor_per_seq,
+                self.count != COUNT_NONE or self.denom is not None, self.adv_per_seq, self.factor_per_seq,
+            )  # fmt: skip
         return found
 
 
 _BRANCHES: dict[tuple, TokenLossBranches] = {}
+
+
+def _branches(
+    s: TokenLossScalars,
+    has_old: bool,
+    has_rollout: bool,
+    has_factor: bool,
+    has_denom: bool,
+    adv_per_seq: bool,
+    factor_per_seq: bool,
+) -> TokenLossBranches:
+    """The constexpr branch choices of a token-level loss: its scalars and which inputs it has."""
+    return TokenLossBranches(
+        LOSS=LOSS_CODES[s.loss],
+        KL=KL_CODES[s.kl],
+        KL_STRAIGHT=bool(s.kl_straight),
+        HAS_DUAL=s.dual_clip is not None,
+        HAS_OLD=has_old,
+        HAS_ENTROPY=s.want_entropy,
+        HAS_ROLLOUT=has_rollout,
+        HAS_FACTOR=has_factor,
+        HAS_DENOM=has_denom,
+        ADV_PER_SEQ=bool(adv_per_seq),
+        FACTOR_PER_SEQ=bool(factor_per_seq),
+    )

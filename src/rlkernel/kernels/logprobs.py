@@ -251,6 +251,28 @@ def row_logprob_stats(
     return logp, shift * inv_t + log_l, entropy
 
 
+@triton.jit
+def program_row(n_inner, base_inner, win_start, win_len, WINDOWED: tl.constexpr):
+    """``(row, outer, inner, in_window)`` of this program (grid axis 0): its row of the logits
+    (addressed at ``outer``·stride_b + ``inner``·stride_t). ``WINDOWED``: the grid covers every row of
+    a base ``[outer, base_inner, V]`` whose inner rows ``[win_start, win_start + win_len)`` are the
+    logits; ``row`` is then the window's row (0 outside it, where ``in_window`` is False). Shared by
+    the kernels that write the base's zero rows themselves (here and ``kernels.token_loss_rows``)."""
+    if WINDOWED:
+        base_row = tl.program_id(0).to(tl.int64)
+        outer = base_row // base_inner
+        inner = base_row % base_inner
+        local = inner - win_start
+        in_window = (local >= 0) & (local < win_len)
+        row = outer * win_len + tl.where(in_window, local, 0)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        outer = row // n_inner
+        inner = row % n_inner
+        in_window = row >= 0
+    return row, outer, inner, in_window
+
+
 @triton.jit(do_not_specialize=["ignore_index", "base_inner", "win_start", "win_len"])
 def _token_logprobs_bwd_kernel(
     # outputs
@@ -294,18 +316,7 @@ def _token_logprobs_bwd_kernel(
     row of a base ``[outer, base_inner, V]`` whose rows ``[win_start, win_start + win_len)`` of the
     inner dim are the logits (``x_ptr``, ``dx_ptr``: the base and its gradient); the rows outside
     store zeros, so the base's gradient needs no separate zero fill."""
-    if WINDOWED:
-        base_row = tl.program_id(0).to(tl.int64)
-        outer = base_row // base_inner
-        inner = base_row % base_inner
-        local = inner - win_start
-        in_window = (local >= 0) & (local < win_len)
-        row = outer * win_len + tl.where(in_window, local, 0)
-    else:
-        row = tl.program_id(0).to(tl.int64)
-        outer = row // n_inner
-        inner = row % n_inner
-        in_window = row >= 0
+    row, outer, inner, in_window = program_row(n_inner, base_inner, win_start, win_len, WINDOWED)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = cols < n_cols
     y = tl.load(ids_ptr + row).to(tl.int64)

@@ -43,7 +43,7 @@ from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import pairwise_sum
 from rlkernel.kernels._token_loss_math import token_terms
-from rlkernel.kernels.logprobs import row_logprob_stats
+from rlkernel.kernels.logprobs import program_row, row_logprob_stats
 from rlkernel.kernels.token_loss import row_grad_pass
 
 COUNT_BLOCK = 4096
@@ -154,18 +154,7 @@ def _device_rows_kernel(
     the grid covers every row of a base ``[outer, base_inner, V]`` (``x_ptr``, ``dx_ptr``: the base
     and its gradient) whose inner rows ``[win_start, win_start + win_len)`` are the logits: the
     rows outside write a zero gradient row and nothing else (no separate zero fill)."""
-    if WINDOWED:
-        base_row = tl.program_id(0).to(tl.int64)
-        outer = base_row // base_inner
-        inner = base_row % base_inner
-        local = inner - win_start
-        in_window = (local >= 0) & (local < win_len)
-        row = outer * win_len + tl.where(in_window, local, 0)
-    else:
-        row = tl.program_id(0).to(tl.int64)
-        outer = row // n_inner
-        inner = row % n_inner
-        in_window = row >= 0
+    row, outer, inner, in_window = program_row(n_inner, base_inner, win_start, win_len, WINDOWED)
     raw = tl.load(ids_ptr + row, mask=in_window, other=0).to(tl.int64)
     # NaN: != 0 (unordered), as torch's mask != 0
     active = in_window & (tl.load(mask_ptr + row, mask=in_window, other=0) != 0)
