@@ -62,7 +62,8 @@ import torch
 
 # The offline pieces of the existing comparison (same folder): tokenizer, prompts, reward, EOS bias.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_trainer_compare import eos_bias, prompts, tokenizer, versions  # noqa: E402
+from trl_trainer_compare import prompts, sync, tokenizer, versions  # noqa: E402
+from trl_trainer_compare import save_model as compare_save_model  # noqa: E402
 
 SIZES = {
     "gpu": dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936,
@@ -86,33 +87,10 @@ def log(message: str) -> None:
 
 
 def save_model(path: str, options, tok) -> tuple[int, float]:
-    """The random-init bf16 Qwen3 saved with the tokenizer; its parameter count and the sampler's
-    end-of-sequence bias (``trl_trainer_compare.eos_bias``)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    size = options.size_values
-    config = Qwen3Config(
-        vocab_size=size["vocab"] or len(tok), hidden_size=size["hidden"], num_hidden_layers=size["layers"],
-        intermediate_size=size["intermediate"], num_attention_heads=size["heads"],
-        num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"], max_position_embeddings=4096,
-        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(options.seed)
-    with torch.device(options.device):
-        model = Qwen3ForCausalLM(config)
-    model.to(torch.bfloat16)
-    text = prompts(8, size["prompt_words"], options.seed)
-    prompt_ids = tok(text, return_tensors="pt", padding=True, padding_side="left")["input_ids"]
-    bias = eos_bias(model, tok.eos_token_id, 2.0 / size["completion"], prompt_ids, options.seed)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters()), bias
-
-
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
+    """The random-init bf16 Qwen3 with an LM head of its own (untied, as Qwen3-8B), saved with the
+    tokenizer: ``trl_trainer_compare.save_model``'s; its parameter count and the sampler's
+    end-of-sequence bias."""
+    return compare_save_model(path, argparse.Namespace(**{**vars(options), "untied": True}), tok, "bf16")
 
 
 class StepRecorder:

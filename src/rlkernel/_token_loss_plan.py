@@ -41,6 +41,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from rlkernel import _validate as check
+from rlkernel._memo import memoized
 
 IGNORE_INDEX = -100
 # verl's numerical guards, defined once for the reference, the kernels and the rl algebra: the log
@@ -159,12 +160,7 @@ class TokenLossScalars:
     def kernel_args(self) -> TokenLossKernelScalars:
         """The runtime scalars, as Python floats in kernel order (one named tuple argument);
         memoized on the frozen scalars (built on every launch otherwise)."""
-        found = _KERNEL_ARGS.get(self)
-        if found is None:
-            if len(_KERNEL_ARGS) > 1024:
-                _KERNEL_ARGS.clear()
-            found = _KERNEL_ARGS[self] = self._kernel_args()
-        return found
+        return memoized(_KERNEL_ARGS, self, self._kernel_args)
 
     def _kernel_args(self) -> TokenLossKernelScalars:
         return TokenLossKernelScalars(
@@ -463,15 +459,10 @@ class DevicePlan(NamedTuple):
         a function of the scalars and four flags."""
         key = (self.scalars, self.old is not None, self.factor_per_seq, self.count, self.denom is not None,
                self.adv_per_seq)  # fmt: skip
-        found = _BRANCHES.get(key)
-        if found is None:
-            if len(_BRANCHES) > 1024:
-                _BRANCHES.clear()
-            found = _BRANCHES[key] = _branches(
-                self.scalars, self.old is not None, False, self.factor_per_seq,
-                self.count != COUNT_NONE or self.denom is not None, self.adv_per_seq, self.factor_per_seq,
-            )  # fmt: skip
-        return found
+        return memoized(_BRANCHES, key, lambda: _branches(
+            self.scalars, self.old is not None, False, self.factor_per_seq,
+            self.count != COUNT_NONE or self.denom is not None, self.adv_per_seq, self.factor_per_seq,
+        ))  # fmt: skip
 
 
 _BRANCHES: dict[tuple, TokenLossBranches] = {}

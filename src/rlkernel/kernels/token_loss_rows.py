@@ -37,23 +37,35 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel._token_loss_plan import COUNT_NONE, COUNT_SEQS, COUNT_TOKENS, DevicePlan
+from rlkernel._token_loss_plan import COUNT_SEQS, COUNT_TOKENS, DevicePlan
 from rlkernel.kernels import logprobs as lp
 from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import pairwise_sum
 from rlkernel.kernels._token_loss_math import token_terms
+from rlkernel.kernels.ids import NO_BAD_ID
 from rlkernel.kernels.logprobs import program_row, row_logprob_stats
 from rlkernel.kernels.token_loss import row_grad_pass
 
 COUNT_BLOCK = 4096
 SUM_BLOCK = 1024  # the loss's final sum: lanes of the last program (fixes its order)
-NO_BAD_ID = 2**63 - 1  # kernels.ids' "no bad id" key
-# counts[0]: the counted denominator; counts[1]: unused; counts[2:4]: the id check's count and
-# first-bad key (kernels.ids' layout, read by ops.id_checks).
+# counts[0]: the counted denominator; counts[1]: the rows kernel's finished programs; counts[2:4]:
+# the id check's count and first-bad key (kernels.ids' layout, read by ops.id_checks).
 N_COUNTS = 4
 _COUNT_TOKENS = tl.constexpr(COUNT_TOKENS)
 _COUNT_SEQS = tl.constexpr(COUNT_SEQS)
+_NO_BAD_ID = tl.constexpr(NO_BAD_ID)
+
+
+@triton.jit
+def _active_count(ptr, n, BLOCK: tl.constexpr):
+    """int64: how many of the ``n`` mask values at ``ptr`` are ``!= 0`` (NaN included, as torch)."""
+    acc = tl.zeros((BLOCK,), dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = tl.load(ptr + offs, mask=offs < n, other=0)
+        acc += (m != 0).to(tl.int64)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit(do_not_specialize=["n_seqs", "seq_len"])
@@ -73,23 +85,11 @@ def _mask_counts_kernel(
     zero = tl.sum(tl.zeros((BLOCK,), dtype=tl.int64), axis=0)
     tokens = zero
     seqs = zero
-    if COUNT == _COUNT_TOKENS and not FACTOR:  # one stream over the whole mask
-        n = n_seqs * seq_len  # < 2^31 tokens
-        acc = tl.zeros((BLOCK,), dtype=tl.int64)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = tl.load(mask_ptr + offs, mask=offs < n, other=0)
-            acc += (m != 0).to(tl.int64)
-        tokens = tl.sum(acc, axis=0)
+    if COUNT == _COUNT_TOKENS and not FACTOR:  # one stream over the whole mask (< 2^31 tokens)
+        tokens = _active_count(mask_ptr, n_seqs * seq_len, BLOCK)
     elif COUNT != 0 or FACTOR:  # per sequence
         for s in range(0, n_seqs):
-            row = mask_ptr + s * seq_len
-            acc = tl.zeros((BLOCK,), dtype=tl.int64)
-            for t0 in range(0, seq_len, BLOCK):
-                offs = t0 + tl.arange(0, BLOCK)
-                m = tl.load(row + offs, mask=offs < seq_len, other=0)
-                acc += (m != 0).to(tl.int64)
-            c = tl.sum(acc, axis=0)
+            c = _active_count(mask_ptr + s * seq_len, seq_len, BLOCK)
             if FACTOR:
                 tl.store(factor_ptr + s, 1.0 / tl.maximum(c, 1).to(tl.float32))
             tokens += c
@@ -100,7 +100,7 @@ def _mask_counts_kernel(
         tl.store(counts_ptr, tokens)
     tl.store(counts_ptr + 1, zero)  # the rows kernel's count of finished programs
     tl.store(counts_ptr + 2, zero)
-    tl.store(counts_ptr + 3, zero + 9223372036854775807)
+    tl.store(counts_ptr + 3, zero + _NO_BAD_ID)
 
 
 @triton.jit(do_not_specialize=["ignore_index", "seq_len", "base_inner", "win_start", "win_len"])
@@ -296,5 +296,3 @@ def device_plan_forward(
         )  # fmt: skip
     return loss, logp, entropy, lse, g_logp, g_entropy, ids_out, counts
 
-
-__all__ = ["COUNT_BLOCK", "COUNT_NONE", "N_COUNTS", "device_plan_forward"]

@@ -40,10 +40,10 @@ class DevicePlanLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
-        x = kernels.as_kernel_layout(logits if window is None else window.of(logits))
+        x, layout = _addressed(logits if window is None else window.of(logits))
         host = _host_slot(plan, x)
         loss, logp, entropy, lse, g_logp, g_entropy, ids, counts = device_plan_forward(
-            x, plan, temperature=temperature, grad=None, row_layout=kernels.row_layout(x), host=host
+            x, plan, temperature=temperature, grad=None, row_layout=layout, host=host
         )
         _defer_id_check(plan, counts, host, x, what)
         want_entropy = plan.want_entropy
@@ -108,15 +108,15 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
             x = logits
         else:
             if window is None:
-                x = kernels.as_kernel_layout(logits)
+                x, layout = _addressed(logits)
                 grad = target = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             else:  # another window: a base-shaped buffer, zero outside it
-                x = window.of(logits)
+                x, layout = _addressed(window.of(logits))  # addressable: _base_and_window checked it
                 grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
                 window.zero_outside(grad)
                 target = window.of(grad)
             out = device_plan_forward(
-                x, plan, temperature=temperature, grad=target, row_layout=kernels.row_layout(x), host=host
+                x, plan, temperature=temperature, grad=target, row_layout=layout, host=host
             )
         loss, logp, entropy, counts = out[0], out[1], out[2], out[7]
         _defer_id_check(plan, counts, host, x, what)
@@ -129,6 +129,16 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, *grads):
         return (*TokenLossGradInForwardFunction.backward(ctx, *grads), None)  # no gradient for ``what``
+
+
+def _addressed(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """``(x, its row layout)``: ``x`` itself where the kernels address it in place, else its one
+    contiguous copy (``kernels.logprobs.as_kernel_layout``'s rule, the layout computed once)."""
+    layout = kernels.row_layout(x)
+    if layout is None:
+        x = x.contiguous()
+        layout = kernels.row_layout(x)
+    return x, layout
 
 
 def _host_slot(plan, x: torch.Tensor) -> torch.Tensor | None:

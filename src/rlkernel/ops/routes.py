@@ -189,10 +189,9 @@ def quiet() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- primitive routes
-def logprobs_route(*, kernels: Kernels, needs_grad: bool, inplace_backward: bool = False) -> Route:
+def logprobs_route(*, kernels: Kernels, needs_grad: bool) -> Route:
     """The route of ``token_logprobs``: one forward pass over the logits, plus the backward's read
     and write when a gradient is computed (in place or not: the same passes)."""
-    del inplace_backward  # the same passes either way (the write goes into the logits' storage)
     passes = None if kernels == "reference" else (3 if needs_grad else 1)
     return Route("logits", "logprobs", kernels, passes=passes)
 

@@ -7,32 +7,28 @@ It is a composition of the log-prob primitives (:mod:`rlkernel.ops.logprobs`) an
 algebra (:mod:`rlkernel.rl.loss`): the memory-lean part — never holding fp32 ``[N, V]`` copies, or the
 logits at all on the hidden-state path — is the primitives' job.
 
-Token-level fusion (logits path, Triton backend). When the objective's gradient is token-local
-(``rlkernel.rl.token_loss.is_eligible``: loss types ppo, cispo, sapo, reinforce, with any
-aggregation, KL estimator, entropy coefficient and rollout correction), the ``[B, T]`` algebra does
-not run under autograd: a plan of per-token constants is built with a few torch ops, and the call is
+Which code runs is the call's route (:mod:`rlkernel.rl.routes`: one pure choice; ``ROUTES`` below
+maps each route to its builder; ``out.route`` says which ran; docs/api/routes.md):
 
-    forward   log-prob kernel → token-loss kernel (loss partials, dL/dlogp, dL/dH) → sum of partials
-    backward  one log-prob backward launch, scaled in-kernel by the upstream gradient
-
-instead of ~100 small autograd launches (1.8–2.0 ms of host time per call at N = 8192 on an H100).
-For V <= the option ``grad_in_forward_max_vocab`` (65,536 by default; 0 turns it off), when the
-logits require grad and ``inplace_backward`` is off, the gradient is instead written during the
-forward (2 passes over the logits) and the backward only rescales it. The option
-``token_level_fusion=False`` sends every call to the composed path (for comparisons). Both options
-are read once per call (``rlkernel.use_options``; measurements behind the defaults:
-``docs/api/options.md``).
-
-Every objective without a token-level plan from logits, Triton backend, with a gradient to
-compute, takes a fused coefficient path: the same two log-prob kernels (forward statistics; one
-backward launch with per-token coefficients), and between them the loss and its per-token
-coefficients. For gspo, gspo_token and gmpo (``rl.seq_token_loss.is_eligible``) those come from
-their closed form in ONE Triton launch (``rl.seq_token_loss``, one program per sequence); for the
-rest (vespo, dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks, gmpo with rollout
-weights) from the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the
-forward (``rl.fused._fused_autograd_coefficients``, ~100 small launches). The hidden-state path of
-these objectives, fp64 logits, the reference backend and ``torch.compile`` tracing of them keep the
-composed path. All give the same loss, gradients (to fp32 rounding) and metrics.
+* Token-level objectives from logits on the Triton backend (``rlkernel.rl.token_loss.is_eligible``:
+  ppo, cispo, sapo, reinforce with any aggregation, KL, entropy and rollout correction): the
+  ``[B, T]`` algebra does not run under autograd. A padded batch without rollout corrections takes
+  the device-built plan (``ops.device_plan_loss``: mask counts + one row kernel forward, one launch
+  backward); the rest a plan of per-token constants built with torch ops (log-prob kernel, plan,
+  token-loss kernel; one backward launch). For V <= the option ``grad_in_forward_max_vocab``
+  (65,536 by default; 0 turns it off), when the logits require grad and ``inplace_backward`` is
+  off, the gradient is written during the forward (2 passes over the logits) and the backward only
+  rescales it. Inside ``torch.compile``: one registered custom op.
+* Every other objective from logits on the Triton backend with a gradient to compute: the same two
+  log-prob kernels and, between them, the loss's per-token coefficients — for gspo, gspo_token and
+  gmpo (``rl.seq_token_loss.is_eligible``, not under ``cp_group``) in closed form in ONE Triton
+  launch; for the rest (vespo, dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks,
+  gmpo with rollout weights) by the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd
+  inside the forward (``_logits_autograd``, ~100 small launches).
+* Token-level objectives from hidden states: the fused chunk engine (3 GEMMs with a gradient).
+* Everything else (the hidden path of other objectives, ``tp_group``, fp64, the reference backend,
+  ``token_level_fusion=False``): the composed path. All give the same loss, gradients (to fp32
+  rounding) and metrics.
 
 Masked positions are sent to the primitive as ``ignore_index`` (their ids may be garbage such as -1 or
 a pad id out of the vocabulary), so they cost no softmax gradient and need no valid id. Entropy is
@@ -72,7 +68,7 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
-from rlkernel._options import Options, current_options
+from rlkernel._options import current_options
 from rlkernel.ops import _dtensor_weight, id_checks
 from rlkernel.ops import routes as route_log
 from rlkernel.ops.checks import check_common, check_linear_inputs
@@ -150,7 +146,6 @@ class _Call:
     validate: bool
     inplace_backward: bool
     invariant_logits: torch.dtype | None  # ops.logprobs.invariant_logits_dtype
-    options: Options
 
 
 @without_autocast
@@ -285,7 +280,7 @@ def fused_policy_loss(
     )  # fmt: skip
     route = choose_route(facts, opts)
     call = _Call(cfg, batch, token_ids, vocab, logits, hidden, weight, bias, float(temperature), tp_group,
-                 validate, inplace_backward, inv_dtype, opts)  # fmt: skip
+                 validate, inplace_backward, inv_dtype)  # fmt: skip
     if torch.compiler.is_compiling():  # no recording (a thread-local side effect) in a traced frame
         out = ROUTES[route.key](route, call)
     else:
@@ -319,8 +314,7 @@ def _id_check(call: _Call, route: Route, active: torch.Tensor):
 def _composed(route: Route, call: _Call) -> PolicyLossOutput:
     """The primitive (log-probs, and entropy when the loss reads it), then ``policy_loss``'s
     algebra under autograd."""
-    ids, active = masked = _masked(call)
-    del masked
+    ids, active = _masked(call)
     want_entropy = _wants_entropy(call.cfg)
     common = dict(temperature=call.temperature, ignore_index=IGNORE_INDEX, return_entropy=want_entropy)
     with _id_check(call, route, active):

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from rlkernel import _dispatch
+from rlkernel._memo import memoized
 from rlkernel._options import Options
 from rlkernel.ops.routes import Gemm, Kernels, Route, Source, linear_route
 from rlkernel.rl import seq_token_loss, token_loss
@@ -81,15 +82,7 @@ def choose_route(facts: RouteFacts, options: Options) -> Route:
     """The route of a call with these facts under these options (the rules of the module docstring).
     Pure: no tensor is read, nothing is launched (hence memoized: a training loop asks the same
     question every step)."""
-    if torch.compiler.is_compiling():  # no global side effect in a traced frame (Dynamo replays them)
-        return _choose(facts, options)
-    key = (facts, options)
-    route = _CHOSEN.get(key)
-    if route is None:
-        if len(_CHOSEN) > 1024:
-            _CHOSEN.clear()
-        route = _CHOSEN[key] = _choose(facts, options)
-    return route
+    return memoized(_CHOSEN, (facts, options), lambda: _choose(facts, options))
 
 
 def _choose(f: RouteFacts, options: Options) -> Route:
@@ -205,19 +198,15 @@ _KINDS: dict[tuple, tuple[bool, bool]] = {}
 
 def _objective_kind(cfg, on_policy: bool, has_rollout_weights: bool) -> tuple[bool, bool]:
     """``(token_level, closed_form)`` of an objective (memoized: a function of the frozen config)."""
-    key = (cfg, on_policy, has_rollout_weights)
-    kind = None if torch.compiler.is_compiling() else _KINDS.get(key)
-    if kind is None:
-        if len(_KINDS) > 1024:
-            _KINDS.clear()
+
+    def make() -> tuple[bool, bool]:
         token_level = token_loss.is_eligible(cfg, on_policy=on_policy)
         closed_form = not token_level and seq_token_loss.is_eligible(
             cfg, on_policy=on_policy, has_rollout_weights=has_rollout_weights
         )
-        kind = (token_level, closed_form)
-        if not torch.compiler.is_compiling():
-            _KINDS[key] = kind
-    return kind
+        return token_level, closed_form
+
+    return memoized(_KINDS, (cfg, on_policy, has_rollout_weights), make)
 
 
 def _linear_gemm(hidden, weight, bias, invariant: bool, options: Options) -> Gemm:

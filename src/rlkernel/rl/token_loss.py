@@ -57,6 +57,7 @@ import math
 import torch
 
 from rlkernel import _validate as check
+from rlkernel._memo import memoized
 from rlkernel._token_loss_plan import COUNT_NONE, COUNT_SEQS, COUNT_TOKENS, DevicePlan
 from rlkernel.ops.token_loss import (  # noqa: F401 - re-exported: the plan and its launcher
     IGNORE_INDEX,
@@ -336,15 +337,8 @@ def _scalars(
 ) -> TokenLossScalars:
     """The :class:`TokenLossScalars` of ``cfg`` with the aggregation's ``norm_mult`` and ``floor``
     (memoized: a function of the frozen config and three numbers, asked for on every call)."""
-    if torch.compiler.is_compiling():  # no global side effect in a traced frame (Dynamo replays them)
-        return _make_scalars(cfg, norm_mult, floor, policy_term)
     key = (cfg, norm_mult, floor, policy_term)
-    found = _SCALARS.get(key)
-    if found is None:
-        if len(_SCALARS) > 1024:
-            _SCALARS.clear()
-        found = _SCALARS[key] = _make_scalars(cfg, norm_mult, floor, policy_term)
-    return found
+    return memoized(_SCALARS, key, lambda: _make_scalars(cfg, norm_mult, floor, policy_term))
 
 
 def _make_scalars(
