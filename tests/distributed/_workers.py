@@ -80,10 +80,11 @@ def _close(got, want, tol, what):
 
 
 def compare_to_reference(
-    ctx, *, dtype, bias=True, temperature=0.7, entropy=True, chunk_rows=None, grad_h=True, grad_w=True, seed=0
-):
+    ctx, *, dtype, bias=True, temperature=0.7, entropy=True, chunk_rows=None, grad_h=True, grad_w=True,
+    seed=0, lead=(3, 5),
+):  # fmt: skip
     """The sharded call on this rank vs the unsharded reference computed locally."""
-    h, w, b, ids, c1, c2 = case(seed, dtype=dtype, bias=bias)
+    h, w, b, ids, c1, c2 = case(seed, dtype=dtype, bias=bias, lead=lead)
     kw = dict(temperature=temperature, return_entropy=entropy)
     hs, ws = _leaf(h, grad_h), _leaf(w[ctx.rows], grad_w)
     bs = None if b is None else _leaf(b[ctx.rows], grad_w)
@@ -223,15 +224,33 @@ def check_through_linear_token_logprobs(ctx):
 
 
 def check_many_rows(ctx):
-    """More chunks than one dhidden reduce block holds (REDUCE_BYTES shrunk for the test)."""
-    import rlkernel.ops._vocab_parallel_function as vpf
+    """Many chunks: dhidden's per-chunk asynchronous all-reduces (at most two in flight) retire in
+    row order and land in the right rows."""
+    compare_to_reference(ctx, dtype=torch.float32, chunk_rows=3, seed=7, lead=(4, 6))
 
-    saved = vpf.REDUCE_BYTES
-    vpf.REDUCE_BYTES = 4 * HIDDEN * 7  # blocks of 7 rows → rounded to whole chunks of 3
-    try:
-        compare_to_reference(ctx, dtype=torch.float32, chunk_rows=3, seed=7)
-    finally:
-        vpf.REDUCE_BYTES = saved
+
+def check_bf16_kernel_epilogue_and_whole_batch(ctx):
+    """The Triton chunk math without a bias: the epilogue GEMMs of kernels.linear_head on the shard
+    (the interpreter runs them on the CPU), with the whole-batch dweight GEMM (few rows) and with
+    the chunked fp32 accumulator (more rows than ``whole_batch_fits`` allows), with and without
+    entropy, frozen weight; the same bits on every rank."""
+    from rlkernel._dispatch import interpreter_enabled
+    from rlkernel.ops._vocab_parallel_function import epilogue_runs, whole_batch_fits
+
+    if not interpreter_enabled():  # gloo workers of a GPU machine: the PyTorch path (see above)
+        return
+    _, w, *_ = case(3, dtype=torch.bfloat16, bias=False)
+    assert epilogue_runs(w[ctx.rows].contiguous(), None) and not epilogue_runs(w[ctx.rows], w[:, 0])
+    assert whole_batch_fits(15, 20, HIDDEN, 4) and not whole_batch_fits(64, 20, HIDDEN, 4)
+    with rk.use_options(tp_gemm="half", tp_elementwise="auto"):
+        logp, ent, dh = compare_to_reference(ctx, dtype=torch.bfloat16, bias=False, chunk_rows=4, seed=3)
+        compare_to_reference(ctx, dtype=torch.bfloat16, bias=False, chunk_rows=6, seed=4, lead=(8, 8))
+        compare_to_reference(ctx, dtype=torch.bfloat16, bias=False, chunk_rows=4, seed=5, entropy=False)
+        compare_to_reference(ctx, dtype=torch.bfloat16, bias=False, chunk_rows=5, seed=6, grad_w=False)
+    for name, t in (("logp", logp), ("entropy", ent), ("dhidden", dh)):
+        parts = [torch.empty_like(t) for _ in range(ctx.world)]
+        dist.all_gather(parts, t.detach().contiguous(), group=ctx.group)
+        assert all(torch.equal(p, parts[0]) for p in parts), f"{name} differs across ranks"
 
 
 def check_empty_batch(ctx):

@@ -27,13 +27,25 @@ Backward recomputes each chunk's local logits and, with the saved global ``lse``
 (p = e^{z − lse}, δ = one-hot of y, non-zero only on the owner rank):
 
     ∂z      = g_logp · (δ − p) / T  −  g_ent · p · (log p + entropy) / T          local [n, V_r]
-    dW_r    = Σ_chunks ∂zᵀ h,   db_r = Σ_chunks Σ_rows ∂z                         local, fp32 accumulator
-    dhidden = all_reduce(∂z @ W_r, SUM)                                           collective 3
+    dW_r    = ∂zᵀ h (all rows, one GEMM) or Σ_chunks ∂zᵀ h (fp32 accumulator)    local
+    db_r    = Σ_chunks Σ_rows ∂z                                                  local, fp32
+    dhidden = all_reduce(∂z @ W_r, SUM)                                           collective 3, per chunk
 
-``dhidden`` is reduced in fp32 (fp64) and cast once, in blocks of whole chunks of at most
-:data:`REDUCE_BYTES`, so a 128k-token batch never holds an ``[N, H]`` fp32 buffer. Collectives run in
-a fixed order (one MAX and one SUM per chunk forward, one SUM per block backward), so results are run
-to run deterministic and every rank issues the same calls.
+``dhidden`` is reduced in fp32 (fp64) chunk by chunk and cast once (:class:`_DhiddenReducer`): each
+chunk's all-reduce is asynchronous, on NCCL's stream, under the next chunk's GEMMs and the final
+dweight GEMM; at most two chunk buffers are in flight, so a 128k-token batch never holds an
+``[N, H]`` fp32 buffer. With the Triton chunk math and a weight gradient, dweight is one GEMM over
+every row (rounded once) when the gradient rows fit the memory of the fp32 accumulator they replace
+(:func:`whole_batch_fits`, as the single-GPU path's whole-batch dweight). Collectives run in a fixed
+order (one MAX and one SUM per chunk forward, one SUM per chunk backward), so results are run to run
+deterministic and every rank issues the same calls.
+
+Where the time went (4× H200, N = 8192, H = 4096, V = 151,936, 2026-11-28, before this layout): on
+2 ranks 34.9 ms vs 50.8 on one GPU (1.46×); GEMMs 26.1 ms (at the single GPU's rate), the fp32
+``[C, V_r]`` logits written and read by the log-prob kernels 2.4 ms, the fp32 dweight accumulator's
+zero-fill, read-modify-write and cast ~1.2 ms, the blocking dhidden all-reduces ~1.1 ms, and the
+rest host gaps. The epilogue GEMMs (no logits buffer), the whole-batch dweight and the overlapped
+reduces remove the middle three (``benchmarks/NOTES.md`` has the measured outcome).
 
 The two choices of a call, made by the caller from :class:`rlkernel.Options` and passed in:
 
@@ -46,9 +58,12 @@ The two choices of a call, made by the caller from :class:`rlkernel.Options` and
   on CUDA (~10x the rate of an fp32 GEMM), fp32 elsewhere; ``"half"`` everywhere (on the CPU
   emulated with fp32 products of the same operands: for tests).
 * Chunk math (``tp_elementwise``, :func:`use_kernels`, with half-operand GEMMs only): ``"auto"``
-  runs the Triton log-prob kernels of the single-GPU path on each shard's raw fp32 logits (one read
-  forward, one read + one bf16 write backward; on CUDA, or in the CPU interpreter) in the
-  single-GPU path's large chunks; ``"torch"`` PyTorch ops on fp32 ``[rows, V_r]`` chunks (~6 passes
+  runs the single-GPU path's Triton kernels in its large chunks (on CUDA, or in the CPU
+  interpreter): without a bias on a Hopper GPU the epilogue GEMMs of
+  :mod:`rlkernel.kernels.linear_head` (statistics and ∂z straight from the GEMM's fp32 tiles, no
+  logits buffer; :func:`epilogue_runs`), else ``torch.mm`` into an fp32 ``[C, V_r]`` buffer read by
+  the log-prob kernels (one read forward, one read + one bf16 write backward);
+  ``"torch"`` PyTorch ops on fp32 ``[rows, V_r]`` chunks (~6 passes
   forward, ~8 backward), in the reference's 64 MiB chunks. 2× H200, N = 8192, V = 151,936: 34.8 vs
   81.9 ms fwd+bwd (``benchmarks/NOTES.md``, ``benchmarks/results/nccl_tp_check_h200x2_2026-11-22.log``).
 
@@ -64,10 +79,8 @@ import torch
 import torch.distributed as dist
 
 from rlkernel._autocast import without_autocast
+from rlkernel.kernels import linear_head
 from rlkernel.reference import logprobs as ref
-
-# dhidden is all-reduced in blocks of whole chunks holding at most this many bytes (fp32 [rows, H]).
-REDUCE_BYTES = 64 * 2**20
 
 # ------------------------------------------------------------------------------- the two choices
 _out_dtype_ok: dict[torch.device, bool] = {}
@@ -165,6 +178,13 @@ class _ShardGemms:
         """``∂z @ W_r`` in fp32, from :meth:`operand`."""
         return self._mm(g, self.w) if self.half else g @ self.w
 
+    def grad_weight(self, g, h):
+        """``∂zᵀ h`` over every row in one GEMM, in the operand dtype (half mode: fp32 accumulation
+        inside cuBLAS, one rounding, as the single-GPU path's whole-batch dweight)."""
+        if g.device.type == "cuda":
+            return torch.mm(g.t(), h)
+        return (g.t().float() @ h.float()).to(self.w.dtype)  # CPU emulation (tests)
+
     def add_grad_weight(self, acc, g, h):
         """``acc += ∂zᵀ h`` (fp32 ``[V_r, H]``), from :meth:`operand`."""
         if not self.half:
@@ -198,7 +218,11 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
             # row still counts) for an active row owned elsewhere; -1 (skipped) for ignored rows.
             kernel_ids = torch.where(owned, local, torch.where(active, weight.shape[0], -1))
             outs = (lse, logp, entropy)
-            _kernel_forward(gemms, hidden, kernel_ids, owned, group, temperature, chunk_rows, want_ent, outs)
+            args = (kernel_ids, owned, group, temperature, chunk_rows, want_ent, outs)
+            if epilogue_runs(weight, bias):
+                _epilogue_forward(hidden, weight, *args)
+            else:
+                _kernel_forward(gemms, hidden, *args)
         else:
             _torch_forward(gemms, hidden, local, owned, group, chunk_rows, want_ent, (lse, logp, entropy))
         logp = torch.where(active, logp, 0.0)
@@ -222,48 +246,88 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         g_ent = torch.where(active, grad_entropy.to(acc), 0.0) if ctx.want_ent else None
         g_target = torch.where(owned, g_logp, 0.0)  # the one-hot term lives on the owner rank only
         d_hidden = torch.empty_like(hidden) if need_h else None
-        # fp32 accumulators across chunks
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         step = ctx.chunk_rows
-        # Blocks of whole chunks: the same block boundaries (and so the same all-reduces) on every rank.
-        block = max(step, (REDUCE_BYTES // (4 * max(width, 1))) // step * step)
-        for b_start in range(0, n, block):
-            b_end = min(b_start + block, n)
-            dh = torch.empty(b_end - b_start, width, dtype=acc, device=hidden.device) if need_h else None
-            for start in range(b_start, b_end, step):
-                rows = slice(start, min(start + step, b_end))
-                g_ent_rows = None if g_ent is None else g_ent[rows]
-                if ctx.kernels:
-                    args = (lse[rows], entropy[rows], g_logp[rows], g_ent_rows, ctx.temperature)
-                    g = _kernel_grad_chunk(gemms, hidden[rows], kernel_ids[rows], *args)
-                    if need_b:
-                        d_bias += g.sum(0, dtype=acc)
+        # Whole batch (Triton chunk math, weight gradient wanted, memory allowing): every chunk's
+        # gradient rows stay alive and dweight is one GEMM over all rows at the end, rounded once,
+        # instead of an fp32 [V_r, H] accumulator read and written per chunk, zero-filled and cast.
+        whole = ctx.kernels and need_w and whole_batch_fits(n, weight.shape[0], width, step)
+        g_all = torch.empty(n, weight.shape[0], dtype=weight.dtype, device=weight.device) if whole else None
+        d_weight = None
+        if need_w and not whole:
+            d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # fp32 accumulator
+        epilogue = ctx.kernels and epilogue_runs(weight, bias)
+        reducer = _DhiddenReducer(d_hidden, ctx.group) if need_h else None
+        for start in range(0, n, step):
+            rows = slice(start, min(start + step, n))
+            g_ent_rows = None if g_ent is None else g_ent[rows]
+            if ctx.kernels:
+                out = g_all[rows] if whole else None
+                args = (lse[rows], entropy[rows], g_logp[rows], g_ent_rows, ctx.temperature)
+                if epilogue:
+                    g = _epilogue_grad_chunk(hidden[rows], weight, kernel_ids[rows], *args, out)
                 else:
-                    args = (
-                        lse[rows],
-                        entropy[rows],
-                        g_logp[rows],
-                        g_target[rows],
-                        g_ent_rows,
-                        ctx.temperature,
-                    )
-                    gz = _torch_grad_chunk(gemms, hidden[rows], local[rows], *args)
-                    if need_b:
-                        d_bias += gz.sum(0)
-                    g = gemms.operand(gz) if need_h or need_w else None
-                    del gz
-                if need_h:
-                    dh[start - b_start : rows.stop - b_start] = gemms.grad_hidden(g)
-                if need_w:
-                    gemms.add_grad_weight(d_weight, g, hidden[rows])
-                del g
+                    g = _kernel_grad_chunk(gemms, hidden[rows], kernel_ids[rows], *args, out)
+                if need_b:
+                    d_bias += g.sum(0, dtype=acc)
+            else:
+                args = (lse[rows], entropy[rows], g_logp[rows], g_target[rows], g_ent_rows, ctx.temperature)
+                gz = _torch_grad_chunk(gemms, hidden[rows], local[rows], *args)
+                if need_b:
+                    d_bias += gz.sum(0)
+                g = gemms.operand(gz) if need_h or need_w else None
+                del gz
             if need_h:
-                dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=ctx.group)
-                d_hidden[b_start:b_end] = dh.to(hidden.dtype)
+                reducer.add(rows, gemms.grad_hidden(g))
+            if need_w and not whole:
+                gemms.add_grad_weight(d_weight, g, hidden[rows])
+            del g
+        if whole:
+            # The last chunks' all-reduces run under this GEMM (NCCL's own stream).
+            d_weight = gemms.grad_weight(g_all, hidden)
+            del g_all
+        if need_h:
+            reducer.finish()
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None, None
+
+
+def whole_batch_fits(n: int, vocab_local: int, width: int, chunk_rows: int) -> bool:
+    """Whether the backward keeps every row's gradient (``[n, V_r]`` in the operand dtype) for one
+    dweight GEMM: when it takes no more memory than the chunked loop's fp32 ``[V_r, H]``
+    accumulator plus one chunk's gradient rows (n ≤ 2·H + chunk rows; 8192 rows at H = 4096)."""
+    return n * vocab_local * 2 <= vocab_local * width * 4 + chunk_rows * vocab_local * 2
+
+
+class _DhiddenReducer:
+    """All-reduces dhidden chunk by chunk while the next chunks compute.
+
+    Each chunk's fp32 (fp64) partial ``∂z @ W_r`` goes to one asynchronous SUM (NCCL runs it on its
+    own stream after this stream's pending work); at most two are in flight (two fp32 chunk buffers
+    alive), and a finished one is cast into ``d_hidden``. The order of the collectives (one per
+    chunk, in row order) is the same on every rank, and each sum is taken by the same NCCL algorithm
+    whatever overlaps it, so the result is as deterministic as the blocking form."""
+
+    IN_FLIGHT = 2
+
+    def __init__(self, d_hidden: torch.Tensor, group: object):
+        self.d_hidden, self.group, self.pending = d_hidden, group, []
+
+    def add(self, rows: slice, partial: torch.Tensor) -> None:
+        work = dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.pending.append((rows, partial, work))
+        if len(self.pending) > self.IN_FLIGHT:
+            self._retire()
+
+    def _retire(self) -> None:
+        rows, partial, work = self.pending.pop(0)
+        work.wait()  # this stream waits for the collective (the host does not, on NCCL)
+        self.d_hidden[rows] = partial.to(self.d_hidden.dtype)
+
+    def finish(self) -> None:
+        while self.pending:
+            self._retire()
 
 
 def _torch_forward(gemms, hidden, local, owned, group, chunk_rows, want_ent, out):
@@ -307,20 +371,46 @@ def _torch_grad_chunk(gemms, h, local, lse, entropy, g_logp, g_target, g_ent, te
     return gz.div_(temperature)
 
 
-def _kernel_forward(gemms, hidden, kernel_ids, owned, group, temperature, chunk_rows, want_ent, out):
-    """Forward over all chunks with the Triton log-prob kernel on each shard's raw logits. Fills
-    ``out = (lse, logp, entropy)``.
+def epilogue_runs(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the Triton chunk math runs as the epilogue GEMMs of :mod:`rlkernel.kernels.linear_head`
+    on this shard (no bias: those kernels have none; a 16-bit, contiguous, TMA-aligned shard on a
+    Hopper GPU or in the interpreter), rather than ``torch.mm`` into an fp32 ``[C, V_r]`` buffer plus
+    the log-prob kernels. A per-rank choice: both forms issue the same collectives per chunk."""
+    return bias is None and linear_head.can_run(weight)
 
-    Per chunk the kernel gives this rank's ``lse_r`` = logsumexp over V_r of z/T, its entropy
-    ``H_r`` over V_r, and on the owner rank ``logp_r`` (so z_y/T = ``logp_r + lse_r``). With
+
+def _combine_across_ranks(lse_r, logp_r, ent_r, owned, group, want_ent, out_rows) -> None:
+    """Turn one chunk's per-rank statistics into the global ones, on every rank (two collectives).
+
+    In: this rank's ``lse_r`` = logsumexp over V_r of z/T, ``H_r`` = its entropy over V_r and, on the
+    owner rank of a row's target, ``logp_r`` (so z_y/T = ``logp_r + lse_r``). With
     ``M = all_reduce(lse_r, MAX)`` and ``w_r = e^{lse_r − M}`` (≤ 1), one SUM of
     ``[w_r, z_y/T (owner) | 0, w_r·H_r, w_r·(M − lse_r)]`` gives, with ``S = Σ_r w_r``:
     ``lse = M + log S``, ``logp = z_y/T − lse`` and ``H = Σ_r (w_r/S)·(H_r + lse − lse_r)`` =
-    ``(Σ w_r H_r + Σ w_r (M − lse_r))/S + log S``: every term ≥ 0, no cancellation.
-    """
+    ``(Σ w_r H_r + Σ w_r (M − lse_r))/S + log S``: every term ≥ 0, no cancellation. Fills
+    ``out_rows = (lse, logp, entropy)`` (views of the chunk's rows)."""
+    lse, logp, entropy = out_rows
+    big = lse_r.clone()
+    dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
+    w = torch.exp(lse_r - big)
+    parts = [w, torch.where(owned, logp_r + lse_r, 0.0)]
+    if want_ent:
+        parts += [w * ent_r, w * (big - lse_r)]
+    sums = torch.stack(parts)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    log_s = sums[0].log()
+    lse.copy_(big + log_s)
+    logp.copy_(sums[1] - lse)
+    if want_ent:
+        entropy.copy_((sums[2] + sums[3]) / sums[0] + log_s)
+
+
+def _kernel_forward(gemms, hidden, kernel_ids, owned, group, temperature, chunk_rows, want_ent, out):
+    """Forward over all chunks with the Triton log-prob kernel on each shard's raw logits (stored
+    in an fp32 ``[C, V_r]`` buffer), combined by :func:`_combine_across_ranks`. Fills
+    ``out = (lse, logp, entropy)``."""
     from rlkernel.kernels import logprobs as kern
 
-    lse, logp, entropy = out
     n = hidden.shape[0]
     for start in range(0, n, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n))
@@ -332,29 +422,34 @@ def _kernel_forward(gemms, hidden, kernel_ids, owned, group, temperature, chunk_
             z, kernel_ids[rows], logp_r, ent_r, lse_r, temperature=temperature, ignore_index=-1
         )
         del z
-        big = lse_r.clone()
-        dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
-        w = torch.exp(lse_r - big)
-        parts = [w, torch.where(owned[rows], logp_r + lse_r, 0.0)]
-        if want_ent:
-            parts += [w * ent_r, w * (big - lse_r)]
-        sums = torch.stack(parts)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        log_s = sums[0].log()
-        lse[rows] = big + log_s
-        logp[rows] = sums[1] - lse[rows]
-        if want_ent:
-            entropy[rows] = (sums[2] + sums[3]) / sums[0] + log_s
+        _combine_across_ranks(lse_r, logp_r, ent_r, owned[rows], group, want_ent, [t[rows] for t in out])
 
 
-def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, temperature):
+def _epilogue_forward(hidden, weight, kernel_ids, owned, group, temperature, chunk_rows, want_ent, out):
+    """Forward over all chunks with the statistics GEMM of :mod:`rlkernel.kernels.linear_head` (the
+    shard's logits never leave registers), combined by :func:`_combine_across_ranks`. Rows whose
+    target another rank owns (``kernel_ids`` = V_r) pass id 0 to the kernel: their logp_r is not
+    used (the owner's is), their lse_r and H_r are. Fills ``out = (lse, logp, entropy)``."""
+    cfg = linear_head.default_config(hidden.dtype)
+    stats_ids = torch.where(kernel_ids == weight.shape[0], 0, kernel_ids)
+    n = hidden.shape[0]
+    for start in range(0, n, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, n))
+        logp_r, lse_r, ent_r = linear_head.linear_head_stats_unchecked(
+            hidden[rows], weight, stats_ids[rows], temperature, -1, want_ent, cfg
+        )
+        _combine_across_ranks(lse_r, logp_r, ent_r, owned[rows], group, want_ent, [t[rows] for t in out])
+
+
+def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, temperature, out=None):
     """∂L/∂(h W_rᵀ + b_r) of one chunk in the operand dtype, from the Triton backward kernel on the
     recomputed raw logits: ``[g_logp·(δ − p) − g_ent·p·(log p + H)] / T`` with the global ``lse``
-    and ``H`` (the one-hot only on the owner rank: ``kernel_ids`` is V_r elsewhere)."""
+    and ``H`` (the one-hot only on the owner rank: ``kernel_ids`` is V_r elsewhere). Written into
+    ``out`` (``[rows, V_r]``) when given."""
     from rlkernel.kernels import logprobs as kern
 
     z = gemms.raw_logits(h)
-    g = torch.empty(z.shape, dtype=gemms.w.dtype, device=z.device)
+    g = torch.empty(z.shape, dtype=gemms.w.dtype, device=z.device) if out is None else out
     kern.token_logprobs_bwd_into(
         z,
         kernel_ids,
@@ -366,4 +461,16 @@ def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, temper
         temperature=temperature,
         ignore_index=-1,
     )
+    return g
+
+
+def _epilogue_grad_chunk(h, weight, kernel_ids, lse, entropy, g_logp, g_ent, temperature, out=None):
+    """The same gradient as :func:`_kernel_grad_chunk` from the gradient GEMM of
+    :mod:`rlkernel.kernels.linear_head` (logits recomputed tile by tile, ∂z written once in the
+    operand dtype; a target id of V_r matches no column, so no one-hot off the owner rank)."""
+    g = torch.empty(h.shape[0], weight.shape[0], dtype=weight.dtype, device=h.device) if out is None else out
+    linear_head.linear_head_grad_into_unchecked(
+        h, weight, kernel_ids, lse, entropy if g_ent is not None else None, g_logp, g_ent, g,
+        temperature, -1, linear_head.default_config(h.dtype),
+    )  # fmt: skip
     return g
