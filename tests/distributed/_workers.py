@@ -235,13 +235,15 @@ def check_bf16_kernel_epilogue_and_whole_batch(ctx):
     the chunked fp32 accumulator (more rows than ``whole_batch_fits`` allows), with and without
     entropy, frozen weight; the same bits on every rank."""
     from rlkernel._dispatch import interpreter_enabled
-    from rlkernel.ops._vocab_parallel_function import epilogue_runs, whole_batch_fits
+    from rlkernel.ops._linear_engine import whole_batch_fits
+    from rlkernel.ops._vocab_parallel_function import epilogue_runs
 
     if not interpreter_enabled():  # gloo workers of a GPU machine: the PyTorch path (see above)
         return
     _, w, *_ = case(3, dtype=torch.bfloat16, bias=False)
     assert epilogue_runs(w[ctx.rows].contiguous(), None) and not epilogue_runs(w[ctx.rows], w[:, 0])
-    assert whole_batch_fits(15, 20, HIDDEN, 4) and not whole_batch_fits(64, 20, HIDDEN, 4)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert whole_batch_fits(15, 4, HIDDEN, bf16, fp32) and not whole_batch_fits(64, 6, HIDDEN, bf16, fp32)
     with rk.use_options(tp_gemm="half", tp_elementwise="auto"):
         logp, ent, dh = compare_to_reference(ctx, dtype=torch.bfloat16, bias=False, chunk_rows=4, seed=3)
         compare_to_reference(ctx, dtype=torch.bfloat16, bias=False, chunk_rows=6, seed=4, lead=(8, 8))

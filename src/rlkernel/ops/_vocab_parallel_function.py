@@ -31,14 +31,16 @@ Backward recomputes each chunk's local logits and, with the saved global ``lse``
     db_r    = Σ_chunks Σ_rows ∂z                                                  local, fp32
     dhidden = all_reduce(∂z @ W_r, SUM)                                           collective 3, per chunk
 
-``dhidden`` is reduced in fp32 (fp64) chunk by chunk and cast once (:class:`_DhiddenReducer`): each
-chunk's all-reduce is asynchronous, on NCCL's stream, under the next chunk's GEMMs and the final
-dweight GEMM; at most two chunk buffers are in flight, so a 128k-token batch never holds an
-``[N, H]`` fp32 buffer. With the Triton chunk math and a weight gradient, dweight is one GEMM over
-every row (rounded once) when the gradient rows fit the memory of the fp32 accumulator they replace
-(:func:`whole_batch_fits`, as the single-GPU path's whole-batch dweight). Collectives run in a fixed
-order (one MAX and one SUM per chunk forward, one SUM per chunk backward), so results are run to run
-deterministic and every rank issues the same calls.
+``dhidden`` is reduced in fp32 (fp64) and cast once (:class:`_DhiddenReducer`), asynchronously on
+NCCL's stream. With the Triton chunk math and n ≤ C + H rows (bf16; the single-GPU path's rule,
+:func:`rlkernel.ops._linear_engine.whole_batch_fits`) the backward is whole-batch: one all-reduce of
+dhidden for all rows, running under the one dweight GEMM, which replaces the fp32 accumulator
+(every row's ∂z kept, about the accumulator's memory; dweight rounded once). Otherwise chunk by
+chunk, each chunk's all-reduce under the next chunk's work, at most two in flight, so a 128k-token
+batch never holds an ``[N, H]`` fp32 buffer. The forward takes each rank's statistics over its
+shard for every row first, then combines them in one MAX and one SUM. Collectives run in a fixed
+order, so results are run to run deterministic and every rank issues the same calls (the
+whole-batch rule depends on n, H and C only, never on V_r or on which inputs need gradients).
 
 Where the time went (4× H200, N = 8192, H = 4096, V = 151,936, 2026-11-28, before this layout): on
 2 ranks 34.9 ms vs 50.8 on one GPU (1.46×); GEMMs 26.1 ms (at the single GPU's rate), the fp32
@@ -80,6 +82,7 @@ import torch.distributed as dist
 
 from rlkernel._autocast import without_autocast
 from rlkernel.kernels import linear_head
+from rlkernel.ops._linear_engine import whole_batch_fits
 from rlkernel.reference import logprobs as ref
 
 # ------------------------------------------------------------------------------- the two choices
@@ -217,12 +220,16 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
             # The kernels' id per row: the local target on its owner rank; V_r (no one-hot here, the
             # row still counts) for an active row owned elsewhere; -1 (skipped) for ignored rows.
             kernel_ids = torch.where(owned, local, torch.where(active, weight.shape[0], -1))
-            outs = (lse, logp, entropy)
-            args = (kernel_ids, owned, group, temperature, chunk_rows, want_ent, outs)
+            # This rank's statistics over its shard for every row, then one MAX and one SUM.
+            lse_r, logp_r = torch.empty_like(lse), torch.empty_like(lse)
+            ent_r = torch.empty_like(lse) if want_ent else None
+            shard_stats = (lse_r, logp_r, ent_r)
+            args = (kernel_ids, temperature, chunk_rows, want_ent, shard_stats)
             if epilogue_runs(weight, bias):
-                _epilogue_forward(hidden, weight, *args)
+                _epilogue_shard_stats(hidden, weight, *args)
             else:
-                _kernel_forward(gemms, hidden, *args)
+                _kernel_shard_stats(gemms, hidden, *args)
+            _combine_across_ranks(lse_r, logp_r, ent_r, owned, group, want_ent, (lse, logp, entropy))
         else:
             _torch_forward(gemms, hidden, local, owned, group, chunk_rows, want_ent, (lse, logp, entropy))
         logp = torch.where(active, logp, 0.0)
@@ -248,11 +255,16 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         step = ctx.chunk_rows
-        # Whole batch (Triton chunk math, weight gradient wanted, memory allowing): every chunk's
-        # gradient rows stay alive and dweight is one GEMM over all rows at the end, rounded once,
-        # instead of an fp32 [V_r, H] accumulator read and written per chunk, zero-filled and cast.
-        whole = ctx.kernels and need_w and whole_batch_fits(n, weight.shape[0], width, step)
-        g_all = torch.empty(n, weight.shape[0], dtype=weight.dtype, device=weight.device) if whole else None
+        # Whole batch (Triton chunk math, few enough rows): one dhidden all-reduce over every row; with
+        # a weight gradient every chunk's gradient rows stay alive and dweight is one GEMM at the end,
+        # rounded once, instead of an fp32 [V_r, H] accumulator zero-filled, read and written per
+        # chunk and cast. The choice depends on n, H and the chunk rows only (the same on every rank:
+        # it fixes how many all-reduces the backward issues), never on V_r or on needs_input_grad.
+        whole = ctx.kernels and whole_batch_fits(n, step, width, weight.dtype, torch.float32)
+        keep = whole and need_w
+        g_all = torch.empty(n, weight.shape[0], dtype=weight.dtype, device=weight.device) if keep else None
+        frozen_w = whole and need_h and not keep  # dhidden's rows gathered for the one all-reduce
+        dh_all = torch.empty(n, width, dtype=acc, device=hidden.device) if frozen_w else None
         d_weight = None
         if need_w and not whole:
             d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # fp32 accumulator
@@ -262,7 +274,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
             rows = slice(start, min(start + step, n))
             g_ent_rows = None if g_ent is None else g_ent[rows]
             if ctx.kernels:
-                out = g_all[rows] if whole else None
+                out = g_all[rows] if keep else None
                 args = (lse[rows], entropy[rows], g_logp[rows], g_ent_rows, ctx.temperature)
                 if epilogue:
                     g = _epilogue_grad_chunk(hidden[rows], weight, kernel_ids[rows], *args, out)
@@ -277,13 +289,19 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
                     d_bias += gz.sum(0)
                 g = gemms.operand(gz) if need_h or need_w else None
                 del gz
-            if need_h:
+            if dh_all is not None:
+                dh_all[rows] = gemms.grad_hidden(g)
+            elif need_h and not whole:
                 reducer.add(rows, gemms.grad_hidden(g))
             if need_w and not whole:
                 gemms.add_grad_weight(d_weight, g, hidden[rows])
             del g
-        if whole:
-            # The last chunks' all-reduces run under this GEMM (NCCL's own stream).
+        if whole and need_h:
+            # One all-reduce, on NCCL's stream under the dweight GEMM: no collective beside the
+            # persistent gradient kernels, which want every SM (overlapping them with the per-chunk
+            # reduces cost more than the reduces: 4x H200, 2026-11-28, benchmarks/NOTES.md).
+            reducer.add(slice(0, n), dh_all if dh_all is not None else gemms.grad_hidden(g_all))
+        if keep:
             d_weight = gemms.grad_weight(g_all, hidden)
             del g_all
         if need_h:
@@ -291,13 +309,6 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None, None
-
-
-def whole_batch_fits(n: int, vocab_local: int, width: int, chunk_rows: int) -> bool:
-    """Whether the backward keeps every row's gradient (``[n, V_r]`` in the operand dtype) for one
-    dweight GEMM: when it takes no more memory than the chunked loop's fp32 ``[V_r, H]``
-    accumulator plus one chunk's gradient rows (n ≤ 2·H + chunk rows; 8192 rows at H = 4096)."""
-    return n * vocab_local * 2 <= vocab_local * width * 4 + chunk_rows * vocab_local * 2
 
 
 class _DhiddenReducer:
@@ -380,7 +391,7 @@ def epilogue_runs(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def _combine_across_ranks(lse_r, logp_r, ent_r, owned, group, want_ent, out_rows) -> None:
-    """Turn one chunk's per-rank statistics into the global ones, on every rank (two collectives).
+    """Turn this rank's statistics into the global ones, on every rank (two collectives for all rows).
 
     In: this rank's ``lse_r`` = logsumexp over V_r of z/T, ``H_r`` = its entropy over V_r and, on the
     owner rank of a row's target, ``logp_r`` (so z_y/T = ``logp_r + lse_r``). With
@@ -388,7 +399,7 @@ def _combine_across_ranks(lse_r, logp_r, ent_r, owned, group, want_ent, out_rows
     ``[w_r, z_y/T (owner) | 0, w_r·H_r, w_r·(M − lse_r)]`` gives, with ``S = Σ_r w_r``:
     ``lse = M + log S``, ``logp = z_y/T − lse`` and ``H = Σ_r (w_r/S)·(H_r + lse − lse_r)`` =
     ``(Σ w_r H_r + Σ w_r (M − lse_r))/S + log S``: every term ≥ 0, no cancellation. Fills
-    ``out_rows = (lse, logp, entropy)`` (views of the chunk's rows)."""
+    ``out_rows = (lse, logp, entropy)``."""
     lse, logp, entropy = out_rows
     big = lse_r.clone()
     dist.all_reduce(big, op=dist.ReduceOp.MAX, group=group)
@@ -405,40 +416,41 @@ def _combine_across_ranks(lse_r, logp_r, ent_r, owned, group, want_ent, out_rows
         entropy.copy_((sums[2] + sums[3]) / sums[0] + log_s)
 
 
-def _kernel_forward(gemms, hidden, kernel_ids, owned, group, temperature, chunk_rows, want_ent, out):
-    """Forward over all chunks with the Triton log-prob kernel on each shard's raw logits (stored
-    in an fp32 ``[C, V_r]`` buffer), combined by :func:`_combine_across_ranks`. Fills
-    ``out = (lse, logp, entropy)``."""
+def _kernel_shard_stats(gemms, hidden, kernel_ids, temperature, chunk_rows, want_ent, out):
+    """This rank's statistics over its shard, chunk by chunk: the Triton log-prob kernel on the raw
+    logits (stored in an fp32 ``[C, V_r]`` buffer). Fills ``out = (lse_r, logp_r, ent_r)`` (``ent_r``
+    None without entropy) as :func:`_combine_across_ranks` takes them."""
     from rlkernel.kernels import logprobs as kern
 
+    lse_r, logp_r, ent_r = out
     n = hidden.shape[0]
     for start in range(0, n, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n))
         z = gemms.raw_logits(hidden[rows])
-        lse_r = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
-        logp_r = torch.empty_like(lse_r)
-        ent_r = torch.empty_like(lse_r) if want_ent else None
+        ent_rows = None if ent_r is None else ent_r[rows]
         kern.token_logprobs_fwd_into(
-            z, kernel_ids[rows], logp_r, ent_r, lse_r, temperature=temperature, ignore_index=-1
+            z, kernel_ids[rows], logp_r[rows], ent_rows, lse_r[rows], temperature=temperature, ignore_index=-1
         )
         del z
-        _combine_across_ranks(lse_r, logp_r, ent_r, owned[rows], group, want_ent, [t[rows] for t in out])
 
 
-def _epilogue_forward(hidden, weight, kernel_ids, owned, group, temperature, chunk_rows, want_ent, out):
-    """Forward over all chunks with the statistics GEMM of :mod:`rlkernel.kernels.linear_head` (the
-    shard's logits never leave registers), combined by :func:`_combine_across_ranks`. Rows whose
-    target another rank owns (``kernel_ids`` = V_r) pass id 0 to the kernel: their logp_r is not
-    used (the owner's is), their lse_r and H_r are. Fills ``out = (lse, logp, entropy)``."""
+def _epilogue_shard_stats(hidden, weight, kernel_ids, temperature, chunk_rows, want_ent, out):
+    """:func:`_kernel_shard_stats` with the statistics GEMM of :mod:`rlkernel.kernels.linear_head`
+    (the shard's logits never leave registers). Rows whose target another rank owns
+    (``kernel_ids`` = V_r) pass id 0 to the kernel: their logp_r is not used (the owner's is),
+    their lse_r and H_r are."""
+    lse_r, logp_r, ent_r = out
     cfg = linear_head.default_config(hidden.dtype)
     stats_ids = torch.where(kernel_ids == weight.shape[0], 0, kernel_ids)
     n = hidden.shape[0]
     for start in range(0, n, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n))
-        logp_r, lse_r, ent_r = linear_head.linear_head_stats_unchecked(
+        logp, lse, ent = linear_head.linear_head_stats_unchecked(
             hidden[rows], weight, stats_ids[rows], temperature, -1, want_ent, cfg
         )
-        _combine_across_ranks(lse_r, logp_r, ent_r, owned[rows], group, want_ent, [t[rows] for t in out])
+        logp_r[rows], lse_r[rows] = logp, lse
+        if want_ent:
+            ent_r[rows] = ent
 
 
 def _kernel_grad_chunk(gemms, h, kernel_ids, lse, entropy, g_logp, g_ent, temperature, out=None):
