@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,6 @@ class Impl:
     notes: str
     flops: int | None = None
     bytes: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _sync(device: torch.device) -> None:
