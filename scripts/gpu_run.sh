@@ -14,6 +14,8 @@
 #   bench_logits    rlkernel bench logits (~3-4 min on an H100: give it STEP_TIMEOUT=420)
 #   bench_linear    rlkernel bench linear (~6-8 min on an H100: give it STEP_TIMEOUT=560)
 #   bench_invariant rlkernel bench invariant
+#   bench_multigpu  rlkernel bench multigpu: one torchrun per GPU count (2, 4, ... up to those present;
+#                   BENCH_ARGS="--gpus 2,4"), each killed after 240 s (give it STEP_TIMEOUT=420)
 #   trl_trainer     scripts/trl_trainer_compare.py: RLKernelGRPOTrainer vs trl.GRPOTrainer, a few GRPO
 #                   steps of a random-init 407 M Qwen3 (bf16, Triton backend), 3 settings; JSON in
 #                   results/. Needs the wheels of trl, datasets, dill, multiprocess in .whl/ (~5 min

@@ -191,7 +191,7 @@ def test_results_page_beside_the_readme_by_default(smoke, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["nope", "--smoke"], "unknown suite 'nope'; available suites: invariant, linear, logits"),
+        (["nope", "--smoke"], "unknown suite 'nope'; available suites: invariant, linear, logits, multigpu"),
         (["logits", "--smoke", "--impl", "torch,foo"], "unknown implementation 'foo' for suite 'logits'"),
         (["logits", "--smoke", "--workload", "ppo"], "unknown workload 'ppo' for suite 'logits'"),
         ([], "name a suite"),

@@ -17,8 +17,9 @@ import importlib
 from rlkernel.bench.suite import BenchError, Suite
 
 # One module per suite, each defining ``SUITE``: logits (log-probs and losses from logits), linear
-# (LM head + loss from hidden states), invariant (the batch-invariant forward chain).
-_SUITE_MODULES = ("logits", "linear", "invariant")
+# (LM head + loss from hidden states), invariant (the batch-invariant forward chain), multigpu (the
+# LM head over several GPUs: one torchrun run per GPU count).
+_SUITE_MODULES = ("logits", "linear", "invariant", "multigpu")
 
 
 def _load_suites() -> dict[str, Suite]:

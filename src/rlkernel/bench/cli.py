@@ -8,6 +8,8 @@ Examples::
     rlkernel bench logits --n 8192 --v 151936 --impl rlkernel,liger --workload sliced_dapo_kl_fwd_bwd
     rlkernel bench logits --smoke                  # tiny sizes on the CPU: checks the pipeline only
                                                    # (written to a new temporary folder)
+    rlkernel bench multigpu                        # the LM head on 2, 4, ... GPUs (one torchrun each)
+    rlkernel bench multigpu --gpus 2,4             # the GPU counts to run
     rlkernel bench --list                          # suites, workloads, implementations
     rlkernel bench --readme                        # README table + docs results page from the CSVs
 """
@@ -72,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="calls per back-to-back loop, one sync per loop (default 20; 0: no back-to-back timing)",
     )
+    parser.add_argument(
+        "--gpus",
+        type=_int_list,
+        help="multigpu suite: the GPU counts to run, one torchrun each, e.g. 2,4 (default: 2, 4, 8, ... up "
+        "to the GPUs present; --smoke: 2 CPU ranks)",
+    )
     parser.add_argument("--list", action="store_true", help="list suites, workloads and implementations")
     parser.add_argument(
         "--readme",
@@ -92,6 +100,8 @@ def _options(args: argparse.Namespace, suite_name: str):
 
     from rlkernel.bench.suite import BenchError, Options
 
+    if args.gpus is not None and suite_name != "multigpu":
+        raise BenchError(f"--gpus applies to the multigpu suite, not to {suite_name!r}")
     if args.smoke:
         device = torch.device("cpu")
     elif torch.cuda.is_available():
@@ -127,6 +137,7 @@ def _options(args: argparse.Namespace, suite_name: str):
         vocab=args.v,
         impls=args.impl,
         workloads=args.workload,
+        gpus=args.gpus,
         **timing,
     )
 
@@ -210,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             out = DEFAULT_OUT
             if args.smoke:
                 out = Path(tempfile.mkdtemp(prefix=f"rlkernel-bench-{suite.name}-smoke-"))
-        rows, meta = harness.run_suite(suite, options)
+        rows, meta = suite.runner(options) if suite.runner is not None else harness.run_suite(suite, options)
     except (harness.BenchError, FileNotFoundError, ValueError) as exc:
         print(f"rlkernel bench: error: {exc}", file=sys.stderr)
         return 2

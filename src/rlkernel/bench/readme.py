@@ -6,7 +6,9 @@ from a live run): ``rlkernel bench --readme``.
   pattern (sliced logits, ragged hidden states, default arguments: DESIGN.md, "Performance method"),
   every peer in a column named with its version, then what each column ran.
 * :func:`results_page` is the whole page ``docs/guides/benchmark-results.md``: every row of every
-  ``<suite>.csv`` (:func:`rlkernel.bench.report.suite_table`).
+  ``<suite>.csv`` (:func:`rlkernel.bench.report.suite_table`), and the several-GPU section from
+  ``multigpu.csv`` (:func:`multigpu_section`: the speed-up and ratio tables; "not measured" without
+  the file).
 * :func:`update_docs` writes both; text outside the README's markers is kept byte for byte.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlkernel.bench.report import IMPL_ORDER, _cell, _num, read_csv, suite_table
+from rlkernel.bench.report import IMPL_ORDER, _cell, _ms, _num, read_csv, suite_table
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 RESULTS_PAGE = Path("docs/guides/benchmark-results.md")
@@ -65,6 +67,8 @@ FLOOR = {"logits": "ceiling", "linear": "cublas_gemms"}
 
 
 SUITE_ORDER = ("logits", "linear", "invariant")  # the users' calls first; other suites after, by name
+# The several-GPU suite: its rows have a section of their own on the results page (multigpu_section).
+MULTI_GPU = "multigpu"
 
 
 def _load(results_dir: Path) -> dict[str, list[dict[str, str]]]:
@@ -154,15 +158,25 @@ def headline_table(suites: dict[str, list[dict[str, str]]]) -> str:
     return "\n".join(lines)
 
 
+def _world_sizes(rows: Sequence[dict]) -> list[str]:
+    """The GPU counts of a several-GPU suite's runs, as written (``world_size``), in order."""
+    return sorted({str(r.get("world_size")) for r in rows if r.get("world_size")}, key=lambda x: int(x))
+
+
 def _run_line(suites: dict[str, list[dict[str, str]]]) -> str:
     runs = []
     for name, rows in suites.items():
         if rows:
             r = rows[0]
-            runs.append(f"`{name}` on {r.get('gpu')} {r.get('date_utc', '')[:10]} at `{r.get('commit')}`")
+            worlds = "/".join(_world_sizes(rows))
+            gpu = f"{worlds}× {r.get('gpu')}" if name == MULTI_GPU and worlds else r.get("gpu")
+            runs.append(f"`{name}` on {gpu} {r.get('date_utc', '')[:10]} at `{r.get('commit')}`")
     smoke = any(rows and rows[0].get("device") == "cpu" for rows in suites.values())
     warn = " **CPU smoke run: not a performance measurement.**" if smoke else ""
-    return f"Runs: {', '.join(runs)} (each suite's rows from one run, on one GPU).{warn}"
+    each = "each suite's rows from one run, on one GPU"
+    if suites.get(MULTI_GPU):
+        each += f"; `{MULTI_GPU}`'s from one run per GPU count"
+    return f"Runs: {', '.join(runs)} ({each}).{warn}"
 
 
 PEER_NOTES = """\
@@ -200,9 +214,12 @@ def readme_block(results_dir: Path) -> str:
 
 
 def results_page(results_dir: Path) -> str:
-    """The whole generated results page: every suite's full table."""
+    """The whole generated results page: every suite's full table, then the several-GPU section."""
     suites = _load(results_dir)
-    tables = [f"## `{name}`\n\n{suite_table(rows)}" for name, rows in suites.items() if rows]
+    tables = [
+        f"## `{name}`\n\n{suite_table(rows)}" for name, rows in suites.items() if rows and name != MULTI_GPU
+    ]
+    tables.append(multigpu_section(suites.get(MULTI_GPU), results_dir))
     head = [
         "# Benchmark results",
         "",
@@ -248,3 +265,122 @@ def update_docs(readme: Path, results_dir: Path, page: Path | None = None) -> li
             page.write_text(text)
             changed.append(page)
     return changed
+
+
+# --------------------------------------------------------------------------------------------------
+# The several-GPU section
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GpuTable:
+    """How one workload of the ``multigpu`` suite is shown: a title, what is run, and its columns
+    after GPUs and size, each ``(header, impl)`` (the row's cell), ``(header, a, b)`` (a's median ÷
+    b's) or ``(header, impl, "/gpus")`` (impl's median ÷ the GPU count)."""
+
+    title: str
+    what: str
+    columns: tuple[tuple[str, ...], ...]
+
+
+_GPU_TABLES = {
+    "tp_logprobs_entropy_fwd_bwd": _GpuTable(
+        "Tensor (vocab) parallel LM head",
+        "`linear_token_logprobs(hidden, weight_shard, ids, tp_group=..., return_entropy=True)` forward + "
+        "backward (trainable weight and hidden, fixed random upstream gradients), each rank holding an "
+        "even contiguous share of the [V, H] head, against the whole head on one GPU in the same run. "
+        "Perfect split: the 1-GPU time ÷ the GPU count. GEMM floor: the 4 GEMMs (2·N·H·V each) at the "
+        "GEMM rate measured in the run, over the GPUs.",
+        (("1 GPU (`rlkernel`)", "rlkernel"), ("TP (`rlkernel_tp`)", "rlkernel_tp"),
+         ("speed-up (1 GPU ÷ TP)", "rlkernel", "rlkernel_tp"), ("perfect split", "rlkernel", "/gpus"),
+         ("GEMM floor", "ceiling"), ("all-reduce of dhidden alone", "all_reduce_dhidden")),
+    ),
+    "fsdp2_head_fwd_bwd": _GpuTable(
+        "FSDP2 (DTensor) LM head",
+        "`linear_token_logprobs(hidden, weight, ids, return_entropy=True)` forward + backward with the "
+        "head a `Shard(0)` DTensor over the GPUs (all-gathered in bf16, its gradient reduce-scattered: "
+        "in bf16 for bf16 shards, in fp32 for fp32 shards, FSDP2's mixed precision) against the plain "
+        "full head on every GPU.",
+        (("plain head (`rlkernel`)", "rlkernel"), ("DTensor, bf16 shards", "rlkernel_dtensor"),
+         ("÷ plain", "rlkernel_dtensor", "rlkernel"), ("DTensor, fp32 shards", "rlkernel_dtensor_fp32"),
+         ("÷ plain", "rlkernel_dtensor_fp32", "rlkernel"),
+         ("all-gather + reduce-scatter alone", "all_gather_reduce_scatter")),
+    ),
+}  # fmt: skip
+
+
+def _gpu_column(column: tuple[str, ...], by_impl: dict[str, dict], gpus: str) -> str:
+    if len(column) == 2:
+        return _gpu_cell(by_impl.get(column[1]))
+    num = by_impl.get(column[1])
+    a = _num(num.get("median_ms")) if num and num.get("status") == "ok" else None
+    if column[2] == "/gpus":
+        return f"{_ms(a / int(gpus))} ms" if a else "—"
+    den = by_impl.get(column[2])
+    b = _num(den.get("median_ms")) if den and den.get("status") == "ok" else None
+    return f"{a / b:.2f}×" if a and b else "—"
+
+
+def _gpu_cell(row: dict | None) -> str:
+    """``median (p20–p80), peak`` of a row; its status word if it has no time."""
+    if row is None:
+        return "—"
+    ms = _num(row.get("median_ms"))
+    if ms is None or row.get("status") not in ("ok", "model"):
+        return str(row.get("status", "")).split(":")[0] or "—"
+    lo, hi, gb = _num(row.get("p20_ms")), _num(row.get("p80_ms")), _num(row.get("peak_extra_gb"))
+    text = f"{_ms(ms)} ms" + (f" ({_ms(lo)}–{_ms(hi)})" if lo is not None and hi is not None else "")
+    return text + (f", {gb:.2f} GB" if gb is not None and row.get("impl") != "ceiling" else "")
+
+
+def _gpu_runs_line(rows: Sequence[dict]) -> str:
+    first_of_run: dict[str, dict] = {}
+    for r in rows:
+        first_of_run.setdefault(str(r.get("world_size")), r)
+    parts = []
+    for world in _world_sizes(rows):
+        r = first_of_run[world]
+        gemm = _num(r.get("ceiling_gemm_tflops"))
+        rate = f", bf16 GEMM {gemm:.3g} TFLOP/s on rank 0's GPU" if gemm else ""
+        parts.append(f"{world} × {r.get('gpu')}: torch {r.get('torch')}, triton {r.get('triton') or '—'}, "
+                     f"{r.get('date_utc')}, commit `{r.get('commit')}`{rate}")  # fmt: skip
+    warn = " **CPU smoke run: not a performance measurement.**" if rows[0].get("device") == "cpu" else ""
+    return "Runs (one torchrun per GPU count): " + "; ".join(parts) + "." + warn
+
+
+def multigpu_section(rows: Sequence[dict] | None, results_dir: Path) -> str:
+    """The results page's several-GPU section from the ``multigpu`` rows (None: not measured)."""
+    head = [
+        f"## Several GPUs (`{MULTI_GPU}`)",
+        "",
+        f"`rlkernel bench {MULTI_GPU}`: one torchrun run per GPU count, the single-GPU baseline measured "
+        "in the same run on rank 0's GPU (method and rows: [Several GPUs](multi-gpu.md#benchmark)).",
+    ]
+    if not rows:
+        where = f"{Path(results_dir).as_posix()}/{MULTI_GPU}.csv"
+        missing = (f"Not measured: there is no `{where}`. Run `rlkernel bench {MULTI_GPU}` on a machine "
+                   "with two or more GPUs, then `rlkernel bench --readme`.")  # fmt: skip
+        return "\n".join([*head, "", missing])
+    params = [p for p in _param_keys(rows) if p not in ("gpus", "world_size")]
+    groups: dict[str, dict[tuple, dict[str, dict]]] = {}
+    for r in rows:
+        key = (str(r.get("world_size")), *(str(r.get(p)) for p in params))
+        groups.setdefault(str(r["workload"]), {}).setdefault(key, {})[str(r["impl"])] = r
+    cells = ("Cells: median ms of an isolated step (20th–80th percentile), peak extra memory on rank 0; "
+             "a step over several GPUs lasts until its slowest rank is done.")  # fmt: skip
+    out = [*head, "", _gpu_runs_line(rows), "", cells]
+    for workload, by_size in groups.items():
+        spec = _GPU_TABLES.get(workload)
+        if spec is None:  # a workload this page does not know yet: every implementation's cell
+            impls = dict.fromkeys(i for g in by_size.values() for i in g)
+            spec = _GpuTable(workload, "", tuple((f"`{i}`", i) for i in impls))
+        heads = ["GPUs", "size", *(c[0] for c in spec.columns)]
+        out += ["", f"### {spec.title} (`{workload}`)", ""]
+        if spec.what:
+            out += [spec.what, ""]
+        out += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        for key, by_impl in by_size.items():
+            size = _size(next(iter(by_impl.values())), params)
+            cells = [key[0], size, *(_gpu_column(c, by_impl, key[0]) for c in spec.columns)]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)

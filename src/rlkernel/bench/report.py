@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 IMPL_ORDER = ("rlkernel", "torch", "torch.compile", "liger", "trl")
+# Columns that differ between the implementations of one workload and size (the multigpu suite's
+# ``gpus``: 1 for the baseline, W for the multi-GPU rows): a plot group and a printed block ignore them.
+ONE_RUN_COLUMNS = ("gpus",)
 COLORS = {
     "rlkernel": "#d62728",
     "torch": "#7f7f7f",
@@ -72,7 +75,7 @@ def plot(rows: Sequence[dict], path: Path, *, title: str = "") -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    params = _param_columns(rows)
+    params = [p for p in _param_columns(rows) if p not in ONE_RUN_COLUMNS]
     groups = _group(rows, params)
     impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
     impls += sorted({str(r["impl"]) for r in rows} - set(impls) - {"ceiling"})
@@ -212,7 +215,7 @@ def format_table(rows: list[dict], param_columns: Sequence[str], baseline: str =
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     prev = None
     for r, cells in zip(rows, body, strict=True):
-        key = (r["workload"], *(r.get(c) for c in param_columns))
+        key = (r["workload"], *(r.get(c) for c in param_columns if c not in ONE_RUN_COLUMNS))
         if prev is not None and key != prev:
             lines.append("")
         prev = key

@@ -89,6 +89,8 @@ class Options:
     # loops of ``loop_calls`` calls, one sync per loop; 0 calls turns it off.
     loop_calls: int = 20
     loop_reps: int = 3
+    # The GPU counts of a suite that runs over several GPUs (``multigpu``; ``--gpus``); None: its default.
+    gpus: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,9 @@ class Suite:
     build: Callable[[Options], list[Workload]]
     bytes_doc: str = ""
     variants: tuple[str, ...] = ()  # opt-in implementations (rlkernel's switches): run when named
+    # A suite that does not run in this process (``multigpu``: one torchrun per GPU count) runs
+    # itself: ``runner(options) -> (rows, meta)`` instead of the harness's ``run_suite``.
+    runner: Callable[[Options], tuple[list[dict], dict]] | None = None
 
 
 @dataclass
