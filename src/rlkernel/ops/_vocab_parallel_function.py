@@ -81,8 +81,6 @@ import torch
 import torch.distributed as dist
 
 from rlkernel._autocast import without_autocast
-from rlkernel.kernels import linear_head
-from rlkernel.ops._linear_engine import whole_batch_fits
 from rlkernel.reference import logprobs as ref
 
 # ------------------------------------------------------------------------------- the two choices
@@ -260,7 +258,7 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         # rounded once, instead of an fp32 [V_r, H] accumulator zero-filled, read and written per
         # chunk and cast. The choice depends on n, H and the chunk rows only (the same on every rank:
         # it fixes how many all-reduces the backward issues), never on V_r or on needs_input_grad.
-        whole = ctx.kernels and whole_batch_fits(n, step, width, weight.dtype, torch.float32)
+        whole = ctx.kernels and _whole_batch(n, step, width, weight.dtype)
         keep = whole and need_w
         g_all = torch.empty(n, weight.shape[0], dtype=weight.dtype, device=weight.device) if keep else None
         frozen_w = whole and need_h and not keep  # dhidden's rows gathered for the one all-reduce
@@ -309,6 +307,14 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None, None
+
+
+def _whole_batch(n: int, chunk_rows: int, width: int, dtype: torch.dtype) -> bool:
+    """The single-GPU path's whole-batch rule (imported where the kernels run: the engine's module
+    imports Triton)."""
+    from rlkernel.ops._linear_engine import whole_batch_fits
+
+    return whole_batch_fits(n, chunk_rows, width, dtype, torch.float32)
 
 
 class _DhiddenReducer:
@@ -387,6 +393,8 @@ def epilogue_runs(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     on this shard (no bias: those kernels have none; a 16-bit, contiguous, TMA-aligned shard on a
     Hopper GPU or in the interpreter), rather than ``torch.mm`` into an fp32 ``[C, V_r]`` buffer plus
     the log-prob kernels. A per-rank choice: both forms issue the same collectives per chunk."""
+    from rlkernel.kernels import linear_head  # the kernels import Triton: only where they run
+
     return bias is None and linear_head.can_run(weight)
 
 
@@ -439,6 +447,8 @@ def _epilogue_shard_stats(hidden, weight, kernel_ids, temperature, chunk_rows, w
     (the shard's logits never leave registers). Rows whose target another rank owns
     (``kernel_ids`` = V_r) pass id 0 to the kernel: their logp_r is not used (the owner's is),
     their lse_r and H_r are."""
+    from rlkernel.kernels import linear_head
+
     lse_r, logp_r, ent_r = out
     cfg = linear_head.default_config(hidden.dtype)
     stats_ids = torch.where(kernel_ids == weight.shape[0], 0, kernel_ids)
@@ -480,6 +490,8 @@ def _epilogue_grad_chunk(h, weight, kernel_ids, lse, entropy, g_logp, g_ent, tem
     """The same gradient as :func:`_kernel_grad_chunk` from the gradient GEMM of
     :mod:`rlkernel.kernels.linear_head` (logits recomputed tile by tile, ∂z written once in the
     operand dtype; a target id of V_r matches no column, so no one-hot off the owner rank)."""
+    from rlkernel.kernels import linear_head
+
     g = torch.empty(h.shape[0], weight.shape[0], dtype=weight.dtype, device=h.device) if out is None else out
     linear_head.linear_head_grad_into_unchecked(
         h, weight, kernel_ids, lse, entropy if g_ent is not None else None, g_logp, g_ent, g,
