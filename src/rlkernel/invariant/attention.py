@@ -72,6 +72,7 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel._options import current_options
 from rlkernel.reference import attention as ref
 
 MAX_HEAD_DIM = 256
@@ -92,6 +93,9 @@ def _fwd_op(
     cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     scale: float,
+    max_seqlen_k: int,
+    split_keys: int | None,
+    split_decode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from rlkernel.kernels import attention as kern
 
@@ -104,11 +108,14 @@ def _fwd_op(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        split=split_keys,
+        split_decode=split_decode,
     )
 
 
 @_fwd_op.register_fake
-def _(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
+def _(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, *split):
     total_q = q.shape[0] if cu_seqlens_q is not None else q.shape[0] * q.shape[1]
     lse = q.new_empty((q.shape[-2], total_q), dtype=torch.float32)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
@@ -152,9 +159,11 @@ def _(grad_out, q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k, max_se
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
+    def forward(ctx, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, *split):
+        # split: (max_seqlen_k, split_keys, split_decode) of the forward op (the backward recomputes
+        # P from the saved lse2, whichever split formula produced it)
         out, lse = _dispatch.call_op(
-            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale
+            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, *split
         )
         ctx.save_for_backward(q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k)
         ctx.scale = scale
@@ -167,11 +176,12 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, key_start, cu_q, cu_k = ctx.saved_tensors
         args = (grad_out.contiguous(), q, k, v, out, lse, key_start, cu_q, cu_k, ctx.max_seqlen_q, ctx.scale)
         dq, dk, dv = _dispatch.call_op(_bwd_op, *args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate=True):
-    """Check every argument; returns the ``max_seqlen_q`` the launch uses (the grid's query extent).
+    """Check every argument; returns the ``(max_seqlen_q, max_seqlen_k)`` the launch uses (the
+    grid's query extent; the longest key sequence, which bounds the split-decode grid).
 
     Index-like arguments are checked against the tensors they index, so that no kernel reads or
     writes outside them and no output row is left unwritten: ``cu_seqlens_q/_k`` (start at 0,
@@ -235,6 +245,7 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                 f"has {int(len_q[i])} queries and {int(len_k[i])} keys"
             )
         longest = int(len_q.max()) if len_q.numel() else 0
+        max_seqlen_k = int(len_k.max()) if len_k.numel() else 0
         if max_seqlen_q is None:
             max_seqlen_q = longest
         elif max_seqlen_q < longest:
@@ -261,8 +272,8 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             check.same_device("key_start", key_start, "q", q.device)
             if validate and key_start.numel() and not torch.compiler.is_compiling():
                 _check_key_start(key_start, k.shape[1])
-        max_seqlen_q = q.shape[1]
-    return max_seqlen_q
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    return max_seqlen_q, max_seqlen_k
 
 
 def _check_key_start(key_start: torch.Tensor, tk: int) -> None:
@@ -332,20 +343,31 @@ def attention(
         keys than queries, ``max_seqlen_q`` below the longest query sequence (or given for the
         padded form). Both backends reject the same inputs (the checks run before dispatch).
     """
-    max_seqlen_q = _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate)
+    max_seqlen_q, max_seqlen_k = _check_inputs(
+        q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate
+    )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check.positive_float("scale", scale)
+    opts = current_options()
+    split_keys, split_decode = opts.attention_split_keys, opts.attention_split_decode
     backend = _dispatch.resolve_backend(q.device, has_kernel=q.dtype in _KERNEL_DTYPES)
     if backend == "reference":
         return ref.attention(
-            q, k, v, scale=scale, key_start=key_start, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+            q,
+            k,
+            v,
+            scale=scale,
+            key_start=key_start,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            split_keys=split_keys,
         )
+    args = (q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
+    args += (max_seqlen_k, split_keys, split_decode)
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         # No gradient wanted (rollout, decode): the forward op without the autograd Function's
         # host overhead; the same op, so the same bits.
-        return _dispatch.call_op(
-            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale
-        )[0]
-    return _AttentionFunction.apply(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
+        return _dispatch.call_op(_fwd_op, *args)[0]
+    return _AttentionFunction.apply(*args)
 
 
 def attention_heads_first(
@@ -377,7 +399,17 @@ def attention_heads_first(
     ):
         from rlkernel.kernels import attention as kern
 
-        return kern.attention_fwd(q, k, v, scale=scale, key_start=key_start, heads_first=True)[0]
+        opts = current_options()
+        return kern.attention_fwd(
+            q,
+            k,
+            v,
+            scale=scale,
+            key_start=key_start,
+            heads_first=True,
+            split=opts.attention_split_keys,
+            split_decode=opts.attention_split_decode,
+        )[0]
     # The adapter builds key_start from the mask, in [0, Tk] by construction: no host check (one
     # sync per layer of a training forward), the kernel's clamp and NaN rows guard it anyway.
     return attention(
