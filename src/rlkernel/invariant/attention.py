@@ -18,13 +18,26 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
   with BN fixed per (head_dim, dtype). A left-padded decode batch, a right-padded prefill and a
   packed stream therefore cut a sequence's keys into the same blocks. Anchoring at the tensor index
   instead would shift the block boundaries by the padding amount and change the sums.
-* One online-softmax formula (base 2, c = scale·log2 e as one fp32 constant, fp32 accumulation),
-  one kernel for prefill and decode, one launch configuration (BLOCK_M, BLOCK_N, num_warps) per
-  (head_dim, dtype) whatever the shapes: a decode step is the same kernel with only the rows of its
-  last query active. Every key block is masked with the same ``where`` and computed by the same
-  arithmetic (no separate unmasked fast path: a different instruction sequence could contract the
-  scale into an FMA differently). A row's blocks past its diagonal are fully masked and are exact
-  no-ops (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
+* One two-level online-softmax formula (base 2, c = scale·log2 e as one fp32 constant, fp32
+  accumulation): the keys are cut into splits of S keys anchored at s, [s, s+S), [s+S, s+2S), …
+  (S a multiple of BN, fixed per (head_dim, dtype): 2048; it depends neither on the batch nor on
+  the cache length; option ``attention_split_keys``), each split an online softmax over its key
+  blocks from a fresh state, the splits merged in split order (the kernel module's header has the
+  formula). A row with at most S keys has one split and the one-level bits; S is part of the
+  formula like BN, so a row with more keys changes bits with S. One launch configuration
+  (BLOCK_M, BLOCK_N, num_warps) per (head_dim, dtype) whatever the shapes: a decode step is the
+  prefill tile with only the rows of its last query active. Every key block is masked with the
+  same ``where`` and computed by the same arithmetic (no separate unmasked fast path: a different
+  instruction sequence could contract the scale into an FMA differently). A row's blocks past its
+  diagonal are fully masked and are exact no-ops (α = 2^0 = 1, P = 0), and so are its splits past
+  its last key (l = 0: the merge keeps the total as it is), so how far the other rows of a tile
+  reach changes nothing.
+* Split-KV decode with the prefill's bits: a decode step at small batch spreads each row's splits
+  over separate programs (one per split, sequence and kv head) that store the fp32 split states,
+  and a combine kernel merges them in split order with the prefill's merge code (one
+  ``@triton.jit`` helper, FP contraction off in every kernel). Whether a call runs that way
+  (option ``attention_split_decode``; ``"auto"``: some row spans two splits and the one-pass grid
+  leaves SMs idle) changes speed only, never a bit.
 * Non-finite inputs stay in the rows that see them: a row that sees a NaN/±Inf in its query or in a
   key or value it attends to is NaN; keys and values it does not see (later positions, right
   padding, keys before ``key_start``, other packed sequences) never change its bits, whatever they
@@ -37,8 +50,6 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
   whole group; a row's result does not depend on which tile row it occupies (each MMA output element
   is accumulated by the same instruction sequence). ``tests/gpu/test_attention.py`` checks this
   on the GPU (decode vs prefill vs chunked, batch 1 vs 32, left vs right padding, packed).
-* One program per row over all its keys, not split-KV: a variant with fixed key splits merged in
-  order broke decode == prefill bitwise on the H100 and gained almost nothing (benchmarks/NOTES.md).
 
 Backward (training): FlashAttention-2 style, deterministic, not required to be batch-invariant:
 delta = rowsum(dO·O); one program per key block computes dK, dV looping over the GQA group's q heads
@@ -55,8 +66,12 @@ Caveats:
       attention_nonfinite_ab_h100_2026-11-24.log): forward +29 % at B 8 × T 2048, +9 % at
       B 1 × T 8192; forward + backward +4-13 %. Finite inputs keep their bits, and every check of
       ``tests/gpu/test_attention.py`` passes.
-    * Decode at small batch runs one program per (sequence, kv head) over the whole cache: little
-      parallelism (B=1, cache 4096: 0.20 ms vs SDPA's 0.07 ms on the H100).
+    * The prefill pays one merge and one software-pipeline restart per split of S keys (static
+      sm_90 count: about +3.5 % instructions for the rows past the first split at S = 2048; not
+      timed on a GPU yet). Smaller S: more decode parallelism, more prefill merges.
+    * Decode at small batch with at most S keys per row still runs one program per (sequence, kv
+      head) over the whole cache (B=1, cache 4096 before the splits: 0.20 ms vs SDPA's 0.07 ms on
+      the H100); longer caches run ⌈T/S⌉ programs per (sequence, kv head).
     * The packed form validates ``cu_seqlens`` (and ``max_seqlen_q``) on one host copy of both (one
       sync per call); the padded form needs none, except one to check ``key_start``'s range when
       it is given on a GPU (``validate=False`` skips it; the HF adapter, whose key_start comes from
@@ -305,6 +320,11 @@ def attention(
     Query i of a sequence with Tq queries and Tk keys sits at key position Tk − Tq + i and attends to
     keys ``key_start ≤ j ≤ Tk − Tq + i`` of its own sequence: ``Tq == Tk`` is a prefill, ``Tq < Tk``
     a chunked prefill or a decode step against a KV cache of ``Tk`` entries.
+
+    Options (``rk.use_options``, read once per call): ``attention_split_keys``, the split size S
+    of the two-level softmax (part of the formula: rows with more than S keys change bits with
+    it; rollout and trainer must agree), and ``attention_split_decode``, whether a decode step
+    spreads a row's splits over separate programs (speed only, the same bits).
 
     Args:
         q: ``[B, Tq, Hq, D]`` (padded) or ``[Nq, Hq, D]`` (packed). fp16/bf16/fp32 (fp64: reference).

@@ -1,15 +1,41 @@
-"""Triton forward kernel of batch-invariant causal GQA attention, and helpers shared with the backward.
+"""Triton forward kernels of batch-invariant causal GQA attention, and helpers shared with the backward.
 
 Forward math and block order: see ``rlkernel.reference.attention`` (the oracle) and
 ``rlkernel.invariant.attention`` (why it is invariant). In short, for a row = (query at key position
 p, q head h) of a sequence whose first real key is s, with c = scale·log2 e (one fp32 constant), a
-one-level online softmax over key blocks of BN = BLOCK_N keys anchored at s:
+two-level online softmax: splits of S = SPLIT_N keys anchored at s (S a multiple of BN = BLOCK_N,
+``split_keys``: 2048 by default; the option ``attention_split_keys``), each split an online softmax
+over its key blocks from a fresh state, the splits merged in order:
 
-    (m, l, acc) = (−inf, 0, 0)
-    for key blocks [s + j·BN, s + (j+1)·BN), j = 0, 1, … (all masked alike):  (``_attend_blocks``)
-        t = where(key ≤ p, c·(q·kᵀ), −inf);  m' = max(m, rowmax t);  α = 2^(m − m');  P = 2^(t − m')
-        l = α·l + rowsum P;   acc = α·acc + P·V
-    out = acc / l,   lse2 = m + log2 l (saved for backward; +inf for rows that see no key)    (``_finish``)
+    (M, L, A) = (−inf, 0, 0)
+    for splits [s + i·S, s + (i+1)·S), i = 0, 1, …:                              (``_attend_splits``)
+        (m, l, acc) = (−inf, 0, 0)
+        for key blocks [s + i·S + j·BN, …), j = 0 … S/BN − 1 (all masked alike):  (``_attend_block``)
+            t = where(key ≤ p, c·(q·kᵀ), −inf);  m' = max(m, rowmax t);  α = 2^(m − m');  P = 2^(t − m')
+            l = α·l + rowsum P;   acc = α·acc + P·V
+        (M, L, A) = merge((M, L, A), (m, l, acc))                                          (``_merge``)
+    out = A / L,   lse2 = M + log2 L (saved for backward; +inf for rows that see no key)  (``_finish``)
+
+    merge: M' = max(M, m); μ = M' (0 if −inf); a = 2^(M − μ), b = 2^(m − μ); L' = a·L + b·l;
+           A' = a·A + b·acc; with (a, b) = (0, 1) exactly while L = 0 (the first split) and (1, 0)
+           for a split the row sees no key of (l = 0: an exact no-op).
+
+A row with at most S keys (counted from s) has one split, taken as it is: its bits are those of the
+one-level loop (the formula before the splits, commit 9b86671). A row with more keys changes bits
+with S (consistently on every path and both backends): S is part of the formula, like BN.
+
+Two ways to run it, same bits by construction. The one-pass kernel (``_attn_fwd_kernel``, prefill,
+chunked prefill, decode at large batch): a program walks its tile's splits in order and merges after
+each. Split-decode (``use_split_decode``: a decode step at small batch, whose one-pass grid would
+leave SMs idle): one program per (row tile, split, sequence × kv head) computes that split's state
+with the same block loop and stores it in fp32 (``WRITE_PARTIAL``), then ``_attn_combine_kernel``
+merges each row's splits in split order with the same ``_merge``, from the same fresh state, and
+finishes with the same ``_finish``. The stored partials are the fp32 values the prefill keeps in
+registers, and every kernel is launched with ``enable_fp_fusion=False`` (no mul+add → fma
+contraction, in the block loop, the merge or the finish), so each product and sum rounds on its own,
+identically in the three kernels. A row's splits past its last key (a prefill tile reaches further
+than its early rows) are empty for it (l = 0): exact no-ops in ``_merge``, so the combine merges only
+the splits that hold a key the row sees.
 
 Non-finite values (NaN/±Inf) reach exactly the rows that see them, and make them NaN. P·V is a
 matrix product, so in a block that some row of the tile does not see whole (the tile's diagonal:
@@ -24,40 +50,56 @@ arithmetic in the same order on the same values: finite inputs give the same bit
 block falls in (a decode tile and a prefill tile split a sequence's blocks differently). A NaN/Inf
 query or key gives non-finite scores for exactly its (row, key) pairs, which the causal ``where``
 hides from the rows that do not see them; a row that sees one has l = NaN and outputs NaN
-(``_finish`` tests l ≠ 0, not l > 0, so it is not taken for a row that sees no key).
+(``_finish`` tests l ≠ 0, not l > 0, so it is not taken for a row that sees no key). The merge
+carries both: a NaN l poisons L, and a non-finite acc reaches A (even through b = 0: NaN·0 = NaN).
 
-One kernel runs prefill, chunked prefill and decode (a decode step is the prefill kernel with only
-its last query's rows active). A block that a row's mask fully hides is an exact no-op for that row
-(α = 1, P = 0), so how far a tile's other rows reach changes nothing. The kernel is launched with
-``enable_fp_fusion=False``: no mul+add → fma contraction, so c·(q·k) − m and the rescalings round
-as written, like the reference's separately rounded ops (the configuration verified on the H100).
+A block that a row's mask fully hides is an exact no-op for that row (α = 1, P = 0), so how far a
+tile's other rows reach changes nothing; a decode step is the prefill tile with only its last
+query's rows active.
 
 Rows are (query, q head of the GQA group) pairs: row r of a (sequence, kv head) program covers
 query r // G and q head kv·G + r % G, so each K/V block is loaded once for the G heads that share it.
 The deterministic backward lives in ``rlkernel.kernels.attention_bwd`` and shares this module's
-helpers (sequence bounds, strides, operand handling); it recomputes P from the saved lse2.
+helpers (sequence bounds, strides, operand handling); it recomputes P from the saved lse2 (the
+row's log-sum-exp whichever way its splits were merged).
 
 Memory traffic (forward, bf16, B·T tokens, causal): Q and O once, K/V once per query tile per group;
-FLOPs 2·2·B·Hq·T²·D/2. Decode reads the whole K/V cache once per (sequence, kv head).
+FLOPs 2·2·B·Hq·T²·D/2. Decode reads the whole K/V cache once per (sequence, kv head); split-decode
+spreads it over ⌈T/S⌉ programs per (sequence, kv head) and adds fp32 partials of (D + 2)·4 bytes per
+(row, split), written once and read once by the combine.
 
-Why one level (one program per row over all its keys): a split-KV variant, splits merged in a fixed
-order to spread a decode row over several programs, broke decode == prefill bitwise on the H100 and
-gained almost nothing (benchmarks/NOTES.md, 2026-11-21).
+The 2026-11-21 split-KV attempt (benchmarks/NOTES.md) failed the H100 "HF adapter decode vs
+prefill" check in a run whose prefill tile was 128 rows / 8 warps (now 64 / 4) and gained little
+at cache 4096 (S = 1024: 4 splits). This version fixes what the issue-25 rule asks: splits at
+fixed absolute positions, the merge in one helper for both kernels, exact factors for the first and
+the empty splits; its bitwise claims rest on ``tests/gpu/test_attention_long.py`` (32k tokens, split
+edges, both decode paths) and ``tests/gpu/test_attention.py`` passing on the target GPU.
 
-Provenance: FlashAttention-2 (Dao 2023) and the Triton fused-attention tutorial, written anew here
-with the key-block anchoring, the single masked loop and the fixed configuration that invariance
-needs.
+Provenance: FlashAttention-2 (Dao 2023), the Triton fused-attention tutorial and flash-decoding
+(split-KV), written anew here with the key-block anchoring, the single masked loop, the fixed
+split positions and the fixed configuration that invariance needs.
 
 Caveats:
-    * One launch configuration per (head_dim, dtype) for forward (prefill and decode alike), plus
-      decode tiles proven bitwise equal on the GPU (``DECODE_TILES``, empty): it fixes the bits.
-      The backward is free to differ.
-    * BLOCK_N is part of the formula: changing it changes the bits of every row with more than
-      BLOCK_N keys (consistently on all paths; the reference's BLOCK_N follows the 16-bit GPU one).
-    * Decode at small batch has little parallelism: one program per (sequence, kv head), each
-      walking the whole cache (B=1, cache 4096, Hkv 8: 8 programs of 64 blocks; 0.20 ms vs SDPA's
-      0.07 ms on the H100).
-    * FP contraction is off in the forward kernel: c·(q·k) − m is a multiply and a subtract
+    * One launch configuration per (head_dim, dtype) for forward (prefill, split partials and
+      decode alike), plus decode tiles proven bitwise equal on the GPU (``DECODE_TILES``, empty):
+      it fixes the bits. The combine has its own row tiling (elementwise only: no bit depends on
+      it). The backward is free to differ.
+    * BLOCK_N and S are part of the formula: changing BLOCK_N changes the bits of every row with
+      more than BLOCK_N keys, changing S those with more than S keys (consistently on all paths;
+      the reference's BLOCK_N and SPLIT_KEYS follow the 16-bit GPU ones).
+    * The prefill pays per split of S keys one merge and one software-pipeline restart: on sm_90
+      (Triton 3.9, static count, no GPU run) ~770 instructions per thread per split outside the
+      key-block loop, whose body is unchanged (~680 per block): about +3.5 % instructions for rows
+      past the first split at S = 2048. The running total (64 fp32 per thread at BLOCK_M 64) is
+      live across the inner loop: ptxas spills around that loop, not inside it. A flat loop with
+      the merge behind a branch was tried and rejected: reading the accumulator in the branch
+      made ptxas serialize every wgmma of the kernel (C7514), and with the merge moved after the
+      next QK product it put spill reloads in the loop body (+38 instructions per block).
+    * Split-decode runs when some row spans two splits or more and the one-pass grid is smaller
+      than the SM count (``"auto"``): B = 1, Hkv = 8, cache 32k: 16 splits × 8 = 128 programs of 32
+      blocks instead of 8 programs of 512. Its partials cost ⌈T/S⌉·rows·(D + 2)·4 bytes (B = 1,
+      Hq = 32, D = 128, 32k: 266 KB).
+    * FP contraction is off in the forward kernels: c·(q·k) − m is a multiply and a subtract
       rather than one fma (slightly more ALU work per score; the MMAs and exp2 dominate).
     * fp32 inputs use IEEE fp32 dots (no tf32): accuracy over speed for the fp32 path.
 """

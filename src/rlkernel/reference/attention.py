@@ -5,14 +5,19 @@ sequence's first valid key s (``key_start``; 0 unless left-padded), c = scale·l
 
     out = Σ_{s ≤ j ≤ p} softmax_j(scale·q·k_j)·v_j,      lse2 = log2 Σ_{s ≤ j ≤ p} 2^(c·q·k_j)
 
-computed exactly as the Triton kernel orders it, a one-level online softmax over blocks of
-``BLOCK_N`` keys anchored at s, [s, s+BN), [s+BN, s+2BN), …, visited in order from the state
+computed exactly as the Triton kernel orders it, a two-level online softmax: splits of
+``SPLIT_KEYS`` = S keys anchored at s, [s, s+S), [s+S, s+2S), …, each an online softmax over its
+blocks of ``BLOCK_N`` keys, [s+i·S, s+i·S+BN), …, visited in order from the state
 (m, l, acc) = (−inf, 0, 0), every product and sum rounded on its own (the kernel runs without FMA):
 
     t = c·(q·k)  (−inf for keys > p),   m' = max(m, max_j t_j),   α = 2^(m − m'),   P = 2^(t − m')
-    l' = α·l + Σ_j P_j,   acc' = α·acc + Σ_j P_j·v_j,      out = acc / l,   lse2 = m + log2 l
+    l' = α·l + Σ_j P_j,   acc' = α·acc + Σ_j P_j·v_j
 
-(One level, as the kernel: see its module docstring for why not split-KV.)
+and the splits merged into the total (M, L, A) = (−inf, 0, 0) in order (``_merge``, the kernel's
+``_merge``): μ = max(M, m) (0 if −inf), a = 2^(M − μ), b = 2^(m − μ), or exactly (a, b) = (0, 1)
+while L = 0 and (1, 0) for a split the row sees no key of (l = 0);
+L' = a·L + b·l,  A' = a·A + b·acc;  out = A / L,  lse2 = M + log2 L. A row with at most S keys has
+one split, taken as it is (the one-level formula). S must be a multiple of BLOCK_N.
 
 Batch invariance (what makes this usable as the CPU path of a model whose decode must equal its
 prefill bit for bit): every quantity of a query row is computed by elementwise torch ops on that row
@@ -27,7 +32,8 @@ of blocks visited for the *other* rows never matters; here such rows are simply 
 are processed in chunks only to bound memory (all ops are per-row).
 
 Provenance: the online softmax of Milakov & Gimelshein (2018) as used by FlashAttention
-(Dao et al. 2022); the key-block anchoring at each sequence's first real token is ours.
+(Dao et al. 2022) and its split-KV merge (flash-decoding); the key-block and split anchoring at
+each sequence's first real token is ours.
 
 Caveats:
     * Slow and memory-hungry ([rows, BLOCK_N, Hq, D] temporaries, bounded by ``CHUNK_ELEMENTS``):
