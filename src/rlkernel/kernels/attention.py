@@ -419,9 +419,11 @@ def _attend_splits(
     split-decode program computes it alone), merged into the total in order (``_merge``). The
     splits below ``full_end`` (seen whole by every row of the tile: most of a long sequence) run
     the one plain loop; the last few (the tile's diagonal) both loops, as ``_attend_blocks``. A
-    nested loop: the inner one is the one-level kernel's loop, instruction for instruction; each
-    split adds a software-pipeline restart and one merge (ptxas keeps the total, live across the
-    inner loop, out of it: spilled around it, not inside)."""
+    nested loop: the inner one has the one-level loop's block body (its arithmetic unchanged, its
+    sm_90 code the same size); each split adds a software-pipeline restart and one merge (ptxas
+    keeps the total, live across the inner loop, out of it: spilled around it, not inside).
+    A block is in the same loop (plain or diagonal) as in the one-level kernel, so a row with at
+    most ``SPLIT_N`` keys, merged once into the fresh total, keeps that kernel's bits."""
     m_t, l_t, acc_t = _fresh(BLOCK_M, BLOCK_D)
     bulk_end = ks + (full_end - ks) // SPLIT_N * SPLIT_N
     for lo in range(ks, bulk_end, SPLIT_N):
