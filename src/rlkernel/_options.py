@@ -40,6 +40,7 @@ DweightAccum = Literal["fp32", "weight"]
 LinearHeadGemm = Literal["auto", "triton", "cublas"]
 TpGemm = Literal["auto", "half", "fp32"]
 TpElementwise = Literal["auto", "torch"]
+AttentionSplitDecode = Literal["auto", "always", "never"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,7 @@ _CHOICES = {
     "linear_head_gemm": ("auto", "triton", "cublas"),
     "tp_gemm": ("auto", "half", "fp32"),
     "tp_elementwise": ("auto", "torch"),
+    "attention_split_decode": ("auto", "always", "never"),
 }
 
 
@@ -108,6 +110,16 @@ class Options:
             Triton log-prob kernels where they run) or ``"torch"``.
         fast_launch: Triton launches go through rlkernel's cached launcher (less host time per
             launch); False: Triton's own launch every time (for profiling the difference).
+        attention_split_keys: the split size S (keys) of ``rlkernel.invariant.attention``'s
+            two-level softmax: a row with more than S keys merges S-key splits of its keys in
+            order. Part of the formula (rows with more than S keys change bits with it; rollout and
+            trainer must agree on it). None: the default of (head_dim, dtype) (2048); otherwise
+            a multiple of the backend's key block, at most 2^30 (2^30: one split, the one-level
+            formula).
+        attention_split_decode: when that attention runs a call as split-decode (the splits of a
+            row on separate programs, then a combine kernel): ``"auto"`` (rows spanning two splits
+            or more and a one-pass grid smaller than the GPU's SM count), ``"always"``,
+            ``"never"``. Speed only: the same bits either way.
     """
 
     matmul_table: MatmulTable = "tuned"
@@ -123,6 +135,8 @@ class Options:
     tp_gemm: TpGemm = "auto"
     tp_elementwise: TpElementwise = "auto"
     fast_launch: bool = True
+    attention_split_keys: int | None = None
+    attention_split_decode: AttentionSplitDecode = "auto"
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
@@ -137,6 +151,12 @@ class Options:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"option {name} must be an int >= {low}, got {value!r}")
+        split = self.attention_split_keys
+        bad_split = isinstance(split, bool) or not isinstance(split, int) or not 1 <= split <= 1 << 30
+        if split is not None and bad_split:
+            raise ValueError(
+                f"option attention_split_keys must be None or an int in [1, 2**30], got {split!r}"
+            )
         th = self.matmul_thresholds
         if not isinstance(th, MatmulThresholds):
             raise ValueError(f"option matmul_thresholds must be a MatmulThresholds, got {th!r}")

@@ -137,6 +137,10 @@ def launches() -> list[tuple[str, object]]:
     q, k, v = rnd(2, 3, 8, 128), rnd(2, 40, 2, 128), rnd(2, 40, 2, 128)
     ks = torch.tensor([0, 5])
     out.append(("attention fwd", lambda: ka.attention_fwd(q, k, v, scale=0.09, key_start=ks)))
+    out.append(  # split-decode: the split partials and their combine
+        ("attention fwd split-decode",
+         lambda: ka.attention_fwd(q[:, :1], k, v, scale=0.09, key_start=ks, split=64, split_decode="always"))
+    )  # fmt: skip
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     out.append(
         ("attention fwd heads_first", lambda: ka.attention_fwd(qh, kh, vh, scale=0.09, heads_first=True))

@@ -98,3 +98,21 @@ def test_invariant_variants_and_training_workloads(tmp_path):
             if r["pass"] == "fwd+bwd":
                 assert float(r["grad_rel_diff"]) <= 1e-4, r
                 assert float(r["tflops"]) > 0
+
+
+def test_invariant_attention_split_variants(tmp_path):
+    """The attention split-size variants (half the default split, one split) on the attention
+    workloads only, cross-checked against SDPA like the default row."""
+    kinds = ("attn_decode", "attn_prefill_fwd_bwd", "rmsnorm")
+    variants = tuple(bi.ATTN_SPLITS)
+    rows = run(tmp_path, "invariant", ("rlkernel", "torch", *variants), kinds)
+    got = {(r["workload"], r["impl"]) for r in rows}
+    assert {(k, v) for k in kinds[:2] for v in variants} <= got
+    assert not {("rmsnorm", v) for v in variants} & got
+    for r in rows:
+        if r["impl"] in variants:
+            assert r["status"] == "ok", r
+            assert f"attention_split_keys={bi.ATTN_SPLITS[r['impl']]}" in r["notes"], r
+            assert float(r["max_abs_diff"]) <= 1e-5, r  # fp32 on the CPU
+            if r["pass"] == "fwd+bwd":
+                assert float(r["grad_rel_diff"]) <= 1e-4, r

@@ -130,6 +130,9 @@ class AttentionSizes:
     tile_len: int
     accuracy: tuple[int, int]  # (B, T)
     backward: tuple[int, int]
+    long_len: int  # tests/gpu/test_attention_long.py: the longest sequence (a multiple of the split)
+    long_n_seq: int  # its batch
+    long_split: int | None  # option attention_split_keys there (None: the default, 2048)
 
 
 @dataclass(frozen=True)
@@ -192,11 +195,14 @@ GPU_SIZES = Sizes(
         heads=((32, 8), (16, 8)),
         n_seq=32,
         max_len=2600,
-        decode_positions=(0, 63, 64, 1023, 1024),
+        decode_positions=(0, 63, 64, 1023, 1024, 2047, 2048, 2049),
         adapter_lens=(300, 1200, 777, 1024, 2600),
         tile_len=1500,
         accuracy=(4, 2048),
         backward=(2, 2048),
+        long_len=32768,
+        long_n_seq=32,
+        long_split=None,
     ),
 )
 
@@ -250,6 +256,9 @@ SMOKE_SIZES = Sizes(
         tile_len=40,
         accuracy=(2, 24),
         backward=(2, 24),
+        long_len=96,
+        long_n_seq=6,
+        long_split=32,  # two interpreter key blocks
     ),
 )
 

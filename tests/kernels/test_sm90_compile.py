@@ -41,7 +41,7 @@ def test_every_kernel_compiles_for_sm90():
     # every kernel family of the package was reached
     for name in (
         "_matmul_kernel", "_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_attn_fwd_kernel",
-        "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_token_logprobs_fwd_kernel",
+        "_attn_combine_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel", "_token_logprobs_fwd_kernel",
         "_token_logprobs_bwd_kernel", "_token_loss_kernel", "_token_loss_rows_kernel", "_scale_kernel",
         "_active_rows_kernel", "_stage_rows_kernel",
     ):  # fmt: skip

@@ -14,7 +14,8 @@ Workloads (bf16 on the GPU; ``shape`` and ``tokens`` columns say the size):
     rmsnorm_fwd_bwd the same, forward + backward (dx, dweight)
     attn_prefill    causal GQA, 32/8 heads, head_dim 128: B=4 × T=2048 and B=1 × T=8192
     attn_prefill_fwd_bwd  the same, forward + backward (dq, dk, dv)
-    attn_decode     one query per sequence against a KV cache of 2048 / 8192, B = 1, 8, 32, 64
+    attn_decode     one query per sequence against a KV cache: 2048 at B = 1, 8, 32, 64; 8192 and
+                    32768 at B = 1 and 32 (the long-cache decode of issue 25: B = 1 runs split-decode)
     model_prefill   the anchor model (4 × Qwen3 layers, hidden 1024, 16/8 heads, vocab 151936): one
                     prefill forward of 8 × 512 tokens, no grad
     model_decode    the same model: one decode step at batch 32 against a 512-entry KV cache
@@ -36,6 +37,10 @@ Opt-in variants (``--impl``; not in the default run or the README table):
                         configuration per dtype for every M, the conservative table
     rlkernel_cublas_bwd (gemm_fwd_bwd) ``rk.use_options(invariant_backward="torch")``: the two
                         backward GEMMs on cuBLAS instead of the invariant kernel
+    rlkernel_split1024  (attn_*) ``rk.use_options(attention_split_keys=1024)``: half the default
+                        split size (more decode programs, twice the prefill merges; other bits)
+    rlkernel_onesplit   (attn_*) ``rk.use_options(attention_split_keys=2**30)``: one split, the
+                        one-level formula and its one-pass decode (what the splits cost and gain)
 
 Timing: the kernel workloads (gemm, rmsnorm, attn_*) are GPU time (``Workload.queue_ahead``: the
 host has issued each call before the GPU reaches it, so rows compare kernels and their ceilings,
@@ -88,7 +93,9 @@ from rlkernel.bench.suite import (
     select_impls,
 )
 
-VARIANTS = ("rlkernel_single", "rlkernel_cublas_bwd")
+VARIANTS = ("rlkernel_single", "rlkernel_cublas_bwd", "rlkernel_split1024", "rlkernel_onesplit")
+# attn_* variants: the option attention_split_keys they set
+ATTN_SPLITS = {"rlkernel_split1024": 1024, "rlkernel_onesplit": 1 << 30}
 IMPLS = ("rlkernel", "torch", "flash_attn", *VARIANTS)
 KINDS = (
     "gemm", "gemm_eager", "gemm_fwd_bwd", "rmsnorm", "rmsnorm_fwd_bwd", "attn_prefill",
@@ -111,7 +118,8 @@ GEMM_FWD_BWD_M = 8192
 RMS_M, RMS_H = (8192, 32768), 4096
 HQ, HKV, D = 32, 8, 128
 PREFILL = ((4, 2048), (1, 8192))  # (B, T)
-DECODE = ((1, 2048), (8, 2048), (32, 2048), (64, 2048), (32, 8192))  # (B, Tk)
+# (B, Tk); --quick takes every other one
+DECODE = ((1, 2048), (8, 2048), (32, 2048), (64, 2048), (32, 8192), (1, 8192), (1, 32768), (32, 32768))
 MODEL_PREFILL, MODEL_DECODE, MODEL_TRAIN = (8, 512), (32, 512), (4, 512)  # (B, T)
 
 SMOKE_GEMM = ((48, 32, "smoke"),)
@@ -324,7 +332,10 @@ def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int], backward:
                 "rlkernel": _grad_call(attention, ours, gos, keep=1),
                 "torch": sdpa_grads,
             }
+            for name, size in ATTN_SPLITS.items():
+                calls[name] = _grad_call(attention, ours, gos, {"attention_split_keys": size}, keep=1)
             notes = {"torch": "F.scaled_dot_product_attention + autograd, KV heads pre-repeated"}
+            notes |= {name: f"attention_split_keys={size}" for name, size in ATTN_SPLITS.items()}
             if "flash_attn" in impls:
                 calls["flash_attn"] = Skip("forward only in this suite")
             return Prepared({k: v for k, v in calls.items() if k in impls}, notes)
@@ -334,11 +345,22 @@ def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int], backward:
                 o = F.scaled_dot_product_attention(qt[i], kt[i], vt[i], is_causal=causal)
             return CallResult((o.transpose(1, 2),))
 
+        def split_variant(size: int):
+            def call(i: int) -> CallResult:
+                import rlkernel as rk
+
+                with rk.use_options(attention_split_keys=size):
+                    return _fwd(lambda: attention(qs[i], ks[i], vs[i]))
+
+            return call
+
         calls: dict[str, Any] = {
             "rlkernel": lambda i: _fwd(lambda: attention(qs[i], ks[i], vs[i])),
             "torch": sdpa,
         }
+        calls |= {name: split_variant(size) for name, size in ATTN_SPLITS.items()}
         notes = {"torch": "F.scaled_dot_product_attention, [B, H, T, D] inputs, KV heads pre-repeated"}
+        notes |= {name: f"attention_split_keys={size}" for name, size in ATTN_SPLITS.items()}
         if "flash_attn" in impls:
             fa, why = _flash(device)
             if fa is None:
@@ -445,7 +467,7 @@ def build(opts: Options) -> list[Workload]:
                 )
             )
     hq, hkv, d = sz.heads
-    attn_impls = chosen("rlkernel", "torch", "flash_attn")
+    attn_impls = chosen("rlkernel", "torch", "flash_attn", *ATTN_SPLITS)
     for kind, backward in (("attn_prefill", False), ("attn_prefill_fwd_bwd", True)):
         if kind not in kinds or not attn_impls:
             continue

@@ -18,13 +18,26 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
   with BN fixed per (head_dim, dtype). A left-padded decode batch, a right-padded prefill and a
   packed stream therefore cut a sequence's keys into the same blocks. Anchoring at the tensor index
   instead would shift the block boundaries by the padding amount and change the sums.
-* One online-softmax formula (base 2, c = scale·log2 e as one fp32 constant, fp32 accumulation),
-  one kernel for prefill and decode, one launch configuration (BLOCK_M, BLOCK_N, num_warps) per
-  (head_dim, dtype) whatever the shapes: a decode step is the same kernel with only the rows of its
-  last query active. Every key block is masked with the same ``where`` and computed by the same
-  arithmetic (no separate unmasked fast path: a different instruction sequence could contract the
-  scale into an FMA differently). A row's blocks past its diagonal are fully masked and are exact
-  no-ops (α = 2^0 = 1, P = 0), so how far the other rows of a tile reach changes nothing.
+* One two-level online-softmax formula (base 2, c = scale·log2 e as one fp32 constant, fp32
+  accumulation): the keys are cut into splits of S keys anchored at s, [s, s+S), [s+S, s+2S), …
+  (S a multiple of BN, fixed per (head_dim, dtype): 2048; it depends neither on the batch nor on
+  the cache length; option ``attention_split_keys``), each split an online softmax over its key
+  blocks from a fresh state, the splits merged in split order (the kernel module's header has the
+  formula). A row with at most S keys has one split and the one-level bits; S is part of the
+  formula like BN, so a row with more keys changes bits with S. One launch configuration
+  (BLOCK_M, BLOCK_N, num_warps) per (head_dim, dtype) whatever the shapes: a decode step is the
+  prefill tile with only the rows of its last query active. Every key block is masked with the
+  same ``where`` and computed by the same arithmetic (no separate unmasked fast path: a different
+  instruction sequence could contract the scale into an FMA differently). A row's blocks past its
+  diagonal are fully masked and are exact no-ops (α = 2^0 = 1, P = 0), and so are its splits past
+  its last key (l = 0: the merge keeps the total as it is), so how far the other rows of a tile
+  reach changes nothing.
+* Split-KV decode with the prefill's bits: a decode step at small batch spreads each row's splits
+  over separate programs (one per split, sequence and kv head) that store the fp32 split states,
+  and a combine kernel merges them in split order with the prefill's merge code (one
+  ``@triton.jit`` helper, FP contraction off in every kernel). Whether a call runs that way
+  (option ``attention_split_decode``; ``"auto"``: some row spans two splits and the one-pass grid
+  leaves SMs idle) changes speed only, never a bit.
 * Non-finite inputs stay in the rows that see them: a row that sees a NaN/±Inf in its query or in a
   key or value it attends to is NaN; keys and values it does not see (later positions, right
   padding, keys before ``key_start``, other packed sequences) never change its bits, whatever they
@@ -37,8 +50,6 @@ Design (why it is invariant; the kernel is ``rlkernel.kernels.attention``, the o
   whole group; a row's result does not depend on which tile row it occupies (each MMA output element
   is accumulated by the same instruction sequence). ``tests/gpu/test_attention.py`` checks this
   on the GPU (decode vs prefill vs chunked, batch 1 vs 32, left vs right padding, packed).
-* One program per row over all its keys, not split-KV: a variant with fixed key splits merged in
-  order broke decode == prefill bitwise on the H100 and gained almost nothing (benchmarks/NOTES.md).
 
 Backward (training): FlashAttention-2 style, deterministic, not required to be batch-invariant:
 delta = rowsum(dO·O); one program per key block computes dK, dV looping over the GQA group's q heads
@@ -55,8 +66,12 @@ Caveats:
       attention_nonfinite_ab_h100_2026-11-24.log): forward +29 % at B 8 × T 2048, +9 % at
       B 1 × T 8192; forward + backward +4-13 %. Finite inputs keep their bits, and every check of
       ``tests/gpu/test_attention.py`` passes.
-    * Decode at small batch runs one program per (sequence, kv head) over the whole cache: little
-      parallelism (B=1, cache 4096: 0.20 ms vs SDPA's 0.07 ms on the H100).
+    * The prefill pays one merge and one software-pipeline restart per split of S keys (static
+      sm_90 count: about +3.5 % instructions for the rows past the first split at S = 2048; not
+      timed on a GPU yet). Smaller S: more decode parallelism, more prefill merges.
+    * Decode at small batch with at most S keys per row still runs one program per (sequence, kv
+      head) over the whole cache (B=1, cache 4096 before the splits: 0.20 ms vs SDPA's 0.07 ms on
+      the H100); longer caches run ⌈T/S⌉ programs per (sequence, kv head).
     * The packed form validates ``cu_seqlens`` (and ``max_seqlen_q``) on one host copy of both (one
       sync per call); the padded form needs none, except one to check ``key_start``'s range when
       it is given on a GPU (``validate=False`` skips it; the HF adapter, whose key_start comes from
@@ -72,6 +87,7 @@ import torch
 from rlkernel import _dispatch
 from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
+from rlkernel._options import current_options
 from rlkernel.reference import attention as ref
 
 MAX_HEAD_DIM = 256
@@ -92,6 +108,9 @@ def _fwd_op(
     cu_seqlens_k: torch.Tensor | None,
     max_seqlen_q: int,
     scale: float,
+    max_seqlen_k: int,
+    split_keys: int | None,
+    split_decode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from rlkernel.kernels import attention as kern
 
@@ -104,11 +123,14 @@ def _fwd_op(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        split=split_keys,
+        split_decode=split_decode,
     )
 
 
 @_fwd_op.register_fake
-def _(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
+def _(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, *split):
     total_q = q.shape[0] if cu_seqlens_q is not None else q.shape[0] * q.shape[1]
     lse = q.new_empty((q.shape[-2], total_q), dtype=torch.float32)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), lse
@@ -152,9 +174,11 @@ def _(grad_out, q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k, max_se
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale):
+    def forward(ctx, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, *split):
+        # split: (max_seqlen_k, split_keys, split_decode) of the forward op (the backward recomputes
+        # P from the saved lse2, whichever split formula produced it)
         out, lse = _dispatch.call_op(
-            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale
+            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, *split
         )
         ctx.save_for_backward(q, k, v, out, lse, key_start, cu_seqlens_q, cu_seqlens_k)
         ctx.scale = scale
@@ -167,11 +191,12 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, key_start, cu_q, cu_k = ctx.saved_tensors
         args = (grad_out.contiguous(), q, k, v, out, lse, key_start, cu_q, cu_k, ctx.max_seqlen_q, ctx.scale)
         dq, dk, dv = _dispatch.call_op(_bwd_op, *args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate=True):
-    """Check every argument; returns the ``max_seqlen_q`` the launch uses (the grid's query extent).
+    """Check every argument; returns the ``(max_seqlen_q, max_seqlen_k)`` the launch uses (the
+    grid's query extent; the longest key sequence, which bounds the split-decode grid).
 
     Index-like arguments are checked against the tensors they index, so that no kernel reads or
     writes outside them and no output row is left unwritten: ``cu_seqlens_q/_k`` (start at 0,
@@ -235,6 +260,7 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                 f"has {int(len_q[i])} queries and {int(len_k[i])} keys"
             )
         longest = int(len_q.max()) if len_q.numel() else 0
+        max_seqlen_k = int(len_k.max()) if len_k.numel() else 0
         if max_seqlen_q is None:
             max_seqlen_q = longest
         elif max_seqlen_q < longest:
@@ -261,8 +287,8 @@ def _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             check.same_device("key_start", key_start, "q", q.device)
             if validate and key_start.numel() and not torch.compiler.is_compiling():
                 _check_key_start(key_start, k.shape[1])
-        max_seqlen_q = q.shape[1]
-    return max_seqlen_q
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    return max_seqlen_q, max_seqlen_k
 
 
 def _check_key_start(key_start: torch.Tensor, tk: int) -> None:
@@ -294,6 +320,11 @@ def attention(
     Query i of a sequence with Tq queries and Tk keys sits at key position Tk − Tq + i and attends to
     keys ``key_start ≤ j ≤ Tk − Tq + i`` of its own sequence: ``Tq == Tk`` is a prefill, ``Tq < Tk``
     a chunked prefill or a decode step against a KV cache of ``Tk`` entries.
+
+    Options (``rk.use_options``, read once per call): ``attention_split_keys``, the split size S
+    of the two-level softmax (part of the formula: rows with more than S keys change bits with
+    it; rollout and trainer must agree), and ``attention_split_decode``, whether a decode step
+    spreads a row's splits over separate programs (speed only, the same bits).
 
     Args:
         q: ``[B, Tq, Hq, D]`` (padded) or ``[Nq, Hq, D]`` (packed). fp16/bf16/fp32 (fp64: reference).
@@ -332,20 +363,31 @@ def attention(
         keys than queries, ``max_seqlen_q`` below the longest query sequence (or given for the
         padded form). Both backends reject the same inputs (the checks run before dispatch).
     """
-    max_seqlen_q = _check_inputs(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate)
+    max_seqlen_q, max_seqlen_k = _check_inputs(
+        q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, validate
+    )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check.positive_float("scale", scale)
+    opts = current_options()
+    split_keys, split_decode = opts.attention_split_keys, opts.attention_split_decode
     backend = _dispatch.resolve_backend(q.device, has_kernel=q.dtype in _KERNEL_DTYPES)
     if backend == "reference":
         return ref.attention(
-            q, k, v, scale=scale, key_start=key_start, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+            q,
+            k,
+            v,
+            scale=scale,
+            key_start=key_start,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            split_keys=split_keys,
         )
+    args = (q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
+    args += (max_seqlen_k, split_keys, split_decode)
     if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
         # No gradient wanted (rollout, decode): the forward op without the autograd Function's
         # host overhead; the same op, so the same bits.
-        return _dispatch.call_op(
-            _fwd_op, q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale
-        )[0]
-    return _AttentionFunction.apply(q, k, v, key_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale)
+        return _dispatch.call_op(_fwd_op, *args)[0]
+    return _AttentionFunction.apply(*args)
 
 
 def attention_heads_first(
@@ -377,7 +419,17 @@ def attention_heads_first(
     ):
         from rlkernel.kernels import attention as kern
 
-        return kern.attention_fwd(q, k, v, scale=scale, key_start=key_start, heads_first=True)[0]
+        opts = current_options()
+        return kern.attention_fwd(
+            q,
+            k,
+            v,
+            scale=scale,
+            key_start=key_start,
+            heads_first=True,
+            split=opts.attention_split_keys,
+            split_decode=opts.attention_split_decode,
+        )[0]
     # The adapter builds key_start from the mask, in [0, Tk] by construction: no host check (one
     # sync per layer of a training forward), the kernel's clamp and NaN rows guard it anyway.
     return attention(

@@ -5,14 +5,19 @@ sequence's first valid key s (``key_start``; 0 unless left-padded), c = scale·l
 
     out = Σ_{s ≤ j ≤ p} softmax_j(scale·q·k_j)·v_j,      lse2 = log2 Σ_{s ≤ j ≤ p} 2^(c·q·k_j)
 
-computed exactly as the Triton kernel orders it, a one-level online softmax over blocks of
-``BLOCK_N`` keys anchored at s, [s, s+BN), [s+BN, s+2BN), …, visited in order from the state
+computed exactly as the Triton kernel orders it, a two-level online softmax: splits of
+``SPLIT_KEYS`` = S keys anchored at s, [s, s+S), [s+S, s+2S), …, each an online softmax over its
+blocks of ``BLOCK_N`` keys, [s+i·S, s+i·S+BN), …, visited in order from the state
 (m, l, acc) = (−inf, 0, 0), every product and sum rounded on its own (the kernel runs without FMA):
 
     t = c·(q·k)  (−inf for keys > p),   m' = max(m, max_j t_j),   α = 2^(m − m'),   P = 2^(t − m')
-    l' = α·l + Σ_j P_j,   acc' = α·acc + Σ_j P_j·v_j,      out = acc / l,   lse2 = m + log2 l
+    l' = α·l + Σ_j P_j,   acc' = α·acc + Σ_j P_j·v_j
 
-(One level, as the kernel: see its module docstring for why not split-KV.)
+and the splits merged into the total (M, L, A) = (−inf, 0, 0) in order (``_merge``, the kernel's
+``_merge``): μ = max(M, m) (0 if −inf), a = 2^(M − μ), b = 2^(m − μ), or exactly (a, b) = (0, 1)
+while L = 0 and (1, 0) for a split the row sees no key of (l = 0);
+L' = a·L + b·l,  A' = a·A + b·acc;  out = A / L,  lse2 = M + log2 L. A row with at most S keys has
+one split, taken as it is (the one-level formula). S must be a multiple of BLOCK_N.
 
 Batch invariance (what makes this usable as the CPU path of a model whose decode must equal its
 prefill bit for bit): every quantity of a query row is computed by elementwise torch ops on that row
@@ -27,7 +32,8 @@ of blocks visited for the *other* rows never matters; here such rows are simply 
 are processed in chunks only to bound memory (all ops are per-row).
 
 Provenance: the online softmax of Milakov & Gimelshein (2018) as used by FlashAttention
-(Dao et al. 2022); the key-block anchoring at each sequence's first real token is ours.
+(Dao et al. 2022) and its split-KV merge (flash-decoding); the key-block and split anchoring at
+each sequence's first real token is ours.
 
 Caveats:
     * Slow and memory-hungry ([rows, BLOCK_N, Hq, D] temporaries, bounded by ``CHUNK_ELEMENTS``):
@@ -51,6 +57,7 @@ import math
 import torch
 
 BLOCK_N = 64  # keys per block: the kernel's BLOCK_N for 16-bit inputs, head_dim ≤ 128 (fwd_config)
+SPLIT_KEYS = 2048  # keys per split: the kernel's default split size (kernels.attention.split_keys)
 LOG2E = 1.4426950408889634
 CHUNK_ELEMENTS = 1 << 22  # ≤ 16 MiB fp32 per [rows, BLOCK_N, Hq, D] temporary
 
@@ -119,6 +126,21 @@ def _hide_non_finite(x: torch.Tensor, hidden: torch.Tensor, *, per_key: bool) ->
     return torch.where(hidden[:, :, None, None], _finite(x), x)
 
 
+def _merge(m_t, l_t, acc_t, m, l, acc):
+    """A split's state (m, l, acc) merged into the total (m_t, l_t, acc_t), as the kernel's
+    ``_merge``: factors a = 2^(M − μ), b = 2^(m − μ) (μ = max(M, m), 0 if −inf), or exactly (0, 1)
+    for a row that has merged nothing yet (l_t = 0) and (1, 0) for a split that holds no key the
+    row sees (l = 0). The max is detached (as in the block loop: the output does not depend on it)."""
+    m_new = torch.maximum(m_t, m).detach()
+    m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+    first, empty = l_t == 0, l == 0
+    one, zero = torch.ones_like(m_new), torch.zeros_like(m_new)
+    a = torch.where(first, zero, torch.where(empty, one, _exp2(m_t - m_use)))
+    b = torch.where(first, one, torch.where(empty, zero, _exp2(m - m_use)))
+    m_out = torch.where(first, m, torch.where(empty, m_t, m_new))
+    return m_out, l_t * a + l * b, acc_t * a[..., None] + acc * b[..., None]
+
+
 def _one_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -126,6 +148,7 @@ def _one_sequence(
     key_start: int,
     scale: float,
     block_n: int,
+    split_keys: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [Tq, Hq, D], k/v [Tk, Hkv, D] of one sequence (query i at key position Tk − Tq + i; keys
     before ``key_start`` are padding). Returns out [Tq, Hq, D] (accumulation dtype) and lse2 [Tq, Hq]."""
@@ -141,47 +164,54 @@ def _one_sequence(
     offset = tk - tq  # key position of query 0
     q_bad_any = not bool(torch.isfinite(qf).all())
     chunk = max(1, CHUNK_ELEMENTS // max(1, block_n * hq * d))
-    m = torch.full((tq, hq), -math.inf, dtype=dt, device=q.device)
-    l = torch.zeros((tq, hq), dtype=dt, device=q.device)
-    acc = torch.zeros((tq, hq, d), dtype=dt, device=q.device)
-    for k0 in range(key_start, tk, block_n):  # key blocks anchored at key_start, in order
-        i0 = max(0, k0 - offset)  # queries before i0 see no key of this block: exact no-ops, skipped
-        kb = kf[k0 : k0 + block_n]
-        vb = vf[k0 : k0 + block_n]
-        if kb.shape[0] < block_n:  # block past the end of the keys: the masked keys read zeros
-            pad = (0, 0, 0, 0, 0, block_n - kb.shape[0])
-            kb = torch.nn.functional.pad(kb, pad)
-            vb = torch.nn.functional.pad(vb, pad)
-        keys = k0 + torch.arange(block_n, device=q.device)
-        k_bad_any, v_bad_any = (not bool(torch.isfinite(x).all()) for x in (kb, vb))
-        for r0 in range(i0, tq, chunk):
-            r1 = min(tq, r0 + chunk)
-            qpos = offset + torch.arange(r0, r1, device=q.device)
-            hidden = keys[None, :] > qpos[:, None]  # [rows, BN]: keys after the row's query
-            # A non-finite query, key or value must not reach a (row, key) pair the mask hides, not
-            # even as 0·NaN in a product or in its gradient: there it reads 0 (finite inputs: the
-            # same values, the same ops).
-            qq = _hide_non_finite(qf[r0:r1], hidden, per_key=False) if q_bad_any else qf[r0:r1, None]
-            kq = _hide_non_finite(kb, hidden, per_key=True) if k_bad_any else kb[None]
-            t = tree_sum(qq * kq, dim=-1) * c  # [rows, BN, Hq]
-            t = t.masked_fill(hidden[..., None], -math.inf)
-            m_old = m[r0:r1]
-            m_new = torch.maximum(m_old, t.amax(dim=1)).detach()
-            # A row that has seen no key yet keeps m = −inf; shift by 0 so that 2^(−inf − 0) = 0.
-            m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-            alpha = _exp2(m_old - m_use)
-            # Hidden pairs: exactly 0 (2^(−inf − m)), also when a NaN score of the row made m NaN.
-            p = torch.where(hidden[..., None], 0.0, _exp2(t - m_use[:, None]))
-            l_new = l[r0:r1] * alpha + tree_sum(p, dim=1)
-            vq = _hide_non_finite(vb, hidden, per_key=True) if v_bad_any else vb[None]
-            # Hidden pairs are P = 0 already; the where keeps a NaN output gradient of the row off
-            # the hidden keys' dV (0·NaN) in the backward.
-            pv_terms = torch.where(hidden[:, :, None, None], 0.0, p[..., None] * vq)
-            pv = tree_sum(pv_terms, dim=1)  # [rows, Hq, D]
-            acc_new = acc[r0:r1] * alpha[..., None] + pv
-            m = torch.cat([m[:r0], m_new, m[r1:]])
-            l = torch.cat([l[:r0], l_new, l[r1:]])
-            acc = torch.cat([acc[:r0], acc_new, acc[r1:]])
+    m_t = torch.full((tq, hq), -math.inf, dtype=dt, device=q.device)
+    l_t = torch.zeros((tq, hq), dtype=dt, device=q.device)
+    acc_t = torch.zeros((tq, hq, d), dtype=dt, device=q.device)
+    for s0 in range(key_start, tk, split_keys):  # splits anchored at key_start, in order
+        # Each split from a fresh state; a row that sees none of its keys keeps it (an empty split).
+        m = torch.full((tq, hq), -math.inf, dtype=dt, device=q.device)
+        l = torch.zeros((tq, hq), dtype=dt, device=q.device)
+        acc = torch.zeros((tq, hq, d), dtype=dt, device=q.device)
+        for k0 in range(s0, min(s0 + split_keys, tk), block_n):  # its key blocks, in order
+            i0 = max(0, k0 - offset)  # queries before i0 see no key of this block: no-ops, skipped
+            kb = kf[k0 : k0 + block_n]
+            vb = vf[k0 : k0 + block_n]
+            if kb.shape[0] < block_n:  # block past the end of the keys: the masked keys read zeros
+                pad = (0, 0, 0, 0, 0, block_n - kb.shape[0])
+                kb = torch.nn.functional.pad(kb, pad)
+                vb = torch.nn.functional.pad(vb, pad)
+            keys = k0 + torch.arange(block_n, device=q.device)
+            k_bad_any, v_bad_any = (not bool(torch.isfinite(x).all()) for x in (kb, vb))
+            for r0 in range(i0, tq, chunk):
+                r1 = min(tq, r0 + chunk)
+                qpos = offset + torch.arange(r0, r1, device=q.device)
+                hidden = keys[None, :] > qpos[:, None]  # [rows, BN]: keys after the row's query
+                # A non-finite query, key or value must not reach a (row, key) pair the mask hides,
+                # not even as 0·NaN in a product or in its gradient: there it reads 0 (finite
+                # inputs: the same values, the same ops).
+                qq = _hide_non_finite(qf[r0:r1], hidden, per_key=False) if q_bad_any else qf[r0:r1, None]
+                kq = _hide_non_finite(kb, hidden, per_key=True) if k_bad_any else kb[None]
+                t = tree_sum(qq * kq, dim=-1) * c  # [rows, BN, Hq]
+                t = t.masked_fill(hidden[..., None], -math.inf)
+                m_old = m[r0:r1]
+                m_new = torch.maximum(m_old, t.amax(dim=1)).detach()
+                # A row that has seen no key yet keeps m = −inf; shift by 0 so that 2^(−inf − 0) = 0.
+                m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+                alpha = _exp2(m_old - m_use)
+                # Hidden pairs: exactly 0 (2^(−inf − m)), also when a NaN score of the row made m NaN
+                p = torch.where(hidden[..., None], 0.0, _exp2(t - m_use[:, None]))
+                l_new = l[r0:r1] * alpha + tree_sum(p, dim=1)
+                vq = _hide_non_finite(vb, hidden, per_key=True) if v_bad_any else vb[None]
+                # Hidden pairs are P = 0 already; the where keeps a NaN output gradient of the row
+                # off the hidden keys' dV (0·NaN) in the backward.
+                pv_terms = torch.where(hidden[:, :, None, None], 0.0, p[..., None] * vq)
+                pv = tree_sum(pv_terms, dim=1)  # [rows, Hq, D]
+                acc_new = acc[r0:r1] * alpha[..., None] + pv
+                m = torch.cat([m[:r0], m_new, m[r1:]])
+                l = torch.cat([l[:r0], l_new, l[r1:]])
+                acc = torch.cat([acc[:r0], acc_new, acc[r1:]])
+        m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m, l, acc)
+    m, l, acc = m_t, l_t, acc_t
     has_keys = l != 0  # a NaN l (a NaN score the row sees) keeps the row NaN
     safe_l = torch.where(has_keys, l, torch.ones_like(l))
     out = torch.where(has_keys[..., None], acc / safe_l[..., None], torch.zeros_like(acc))
@@ -209,6 +239,7 @@ def attention_with_lse(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     block_n: int | None = None,
+    split_keys: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` plus the base-2 log-sum-exp of each row's scaled scores.
 
@@ -216,13 +247,19 @@ def attention_with_lse(
     ``[B, Tq, Hq]`` padded or ``[Nq, Hq]`` packed, +inf for rows that see no key."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     block_n = BLOCK_N if block_n is None else block_n  # read at call time: tests may patch it
+    split = SPLIT_KEYS if split_keys is None else split_keys
+    if isinstance(split, bool) or not isinstance(split, int) or split < 1 or split % block_n:
+        raise ValueError(
+            f"attention_split_keys must be a positive multiple of the reference's key block "
+            f"({block_n}), got {split!r}"
+        )
     if cu_seqlens_q is not None:
         cq = cu_seqlens_q.tolist()
         ck = cu_seqlens_k.tolist()
         outs, lses = [], []
         for i in range(len(cq) - 1):
             o, s = _one_sequence(
-                q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], 0, scale, block_n
+                q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], 0, scale, block_n, split
             )
             outs.append(o)
             lses.append(s)
@@ -232,7 +269,7 @@ def attention_with_lse(
         return _keep_in_graph(out.to(q.dtype), q, k, v), lse
     starts = [0] * q.shape[0] if key_start is None else [int(s) for s in key_start.tolist()]
     results = [
-        _one_sequence(q[b], k[b], v[b], starts[b], scale, block_n)
+        _one_sequence(q[b], k[b], v[b], starts[b], scale, block_n, split)
         if 0 <= starts[b] <= k.shape[1]
         else _nan_sequence(q[b])  # key_start outside [0, Tk] (unvalidated): NaN rows, as the kernel
         for b in range(q.shape[0])
@@ -267,6 +304,7 @@ def attention(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     block_n: int | None = None,
+    split_keys: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention with bottom-right aligned queries (see the module header).
 
@@ -280,6 +318,8 @@ def attention(
         cu_seqlens_q, cu_seqlens_k: ``[S + 1]`` cumulative lengths (packed form, both or neither).
         block_n: keys per block (the kernel's BLOCK_N; it fixes the summation order); default
             ``BLOCK_N``.
+        split_keys: keys per split (the kernel's S, a multiple of ``block_n``; it fixes the
+            order too); default ``SPLIT_KEYS``.
 
     Returns:
         ``out`` shaped like ``q``, in ``q.dtype``; rows that see no key (left padding) are 0.
@@ -293,4 +333,5 @@ def attention(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         block_n=block_n,
+        split_keys=split_keys,
     )[0]
