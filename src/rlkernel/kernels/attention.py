@@ -473,6 +473,17 @@ def _store_rows(
 
 
 @triton.jit
+def _tile_rows(row0, n_rows, len_q, len_k, hk, group, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows of a tile starting at row ``row0`` of a (sequence, kv head): ``(row_ok, qi, hq,
+    qpos, offs_d, mask_d)`` — row r is query r // G and q head hk·G + r % G, ``qpos`` the key
+    position of its query (bottom-right alignment: the last query sees the last key)."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    qi = rows // group
+    offs_d = tl.arange(0, BLOCK_D)
+    return rows < n_rows, qi, hk * group + rows % group, len_k - len_q + qi, offs_d, offs_d < head_dim
+
+
+@triton.jit
 def _attn_fwd_kernel(
     # outputs
     o_ptr,
@@ -539,13 +550,9 @@ def _attn_fwd_kernel(
     n_rows = len_q * group
     row0 = pid_m * BLOCK_M
     if row0 < n_rows:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_rows
-        qi = rows // group
-        hq = hk * group + rows % group
-        qpos = len_k - len_q + qi  # key position of each row's query (bottom-right alignment)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < head_dim
+        row_ok, qi, hq, qpos, offs_d, mask_d = _tile_rows(
+            row0, n_rows, len_q, len_k, hk, group, head_dim, BLOCK_M, BLOCK_D
+        )
 
         q_base = q_ptr + b * stride_qb + q_tok0 * stride_qt
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
@@ -657,13 +664,9 @@ def _attn_combine_kernel(
     n_rows = len_q * group
     row0 = pid_m * BLOCK_M
     if row0 < n_rows:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_rows
-        qi = rows // group
-        hq = hk * group + rows % group
-        qpos = len_k - len_q + qi
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < head_dim
+        row_ok, qi, hq, qpos, offs_d, mask_d = _tile_rows(
+            row0, n_rows, len_q, len_k, hk, group, head_dim, BLOCK_M, BLOCK_D
+        )
         n_q_heads = n_kv_heads * group
         flat = q_row0 + qi
         # Splits of each row: those that start at or before its query's key position.
