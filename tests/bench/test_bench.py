@@ -397,6 +397,15 @@ def test_harness_runs_any_suite_and_records_failures(tmp_path):
     assert "error: RuntimeError: boom" in table and "skipped: n/a" in table
 
 
+def test_progress_line_says_time_first_call_and_peak():
+    """The console line of a workload keeps the numbers a run stopped before writing its files
+    would lose: median, first call, peak memory (CUDA only), or the status."""
+    m = harness.Measurement("a", samples=[1.0, 2.0, 3.0], first_call_s=3.0, peak_bytes=2.5e9)
+    assert harness._progress(m) == "a 2 ms (1st call 3.0 s) [peak +2.50 GB]"
+    assert harness._progress(harness.Measurement("b", samples=[0.5])) == "b 0.5 ms"
+    assert harness._progress(harness.Measurement("c", status="oom")) == "c oom"
+
+
 @pytest.mark.parametrize(
     ("caps", "expected"),
     [((None, None, None), (2, 3, 2)), ((0, 2, 1), (0, 2, 1)), ((5, 9, 9), (2, 3, 2))],

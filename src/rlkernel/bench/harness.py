@@ -279,11 +279,14 @@ ENV_VARS = ("RLKERNEL_BACKEND", "TRITON_INTERPRET", "PYTORCH_CUDA_ALLOC_CONF", "
 
 
 def _progress(m: Measurement) -> str:
+    """One implementation's result for the console line of its workload; with the peak memory, so
+    that the log of a run stopped before its files are written still has the numbers."""
     if not m.samples:
         return f"{m.impl} {m.status.split(':')[0]}"
     first = f" (1st call {m.first_call_s:.1f} s)" if m.first_call_s and m.first_call_s >= 1 else ""
     b2b = f" / {statistics.median(m.b2b_samples):.3g} b2b" if m.b2b_samples else ""
-    return f"{m.impl} {statistics.median(m.samples):.3g}{b2b} ms{first}"
+    peak = f" [peak +{m.peak_bytes / 1e9:.2f} GB]" if m.peak_bytes is not None else ""
+    return f"{m.impl} {statistics.median(m.samples):.3g}{b2b} ms{first}{peak}"
 
 
 def run_suite(suite: Suite, opts: Options, *, log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
