@@ -397,6 +397,45 @@ def test_harness_runs_any_suite_and_records_failures(tmp_path):
     assert "error: RuntimeError: boom" in table and "skipped: n/a" in table
 
 
+def test_progress_line_says_time_first_call_and_peak():
+    """The console line of a workload keeps the numbers a run stopped before writing its files
+    would lose: median, first call, peak memory (CUDA only), or the status."""
+    m = harness.Measurement("a", samples=[1.0, 2.0, 3.0], first_call_s=3.0, peak_bytes=2.5e9)
+    assert harness._progress(m) == "a 2 ms (1st call 3.0 s) [peak +2.50 GB]"
+    assert harness._progress(harness.Measurement("b", samples=[0.5])) == "b 0.5 ms"
+    assert harness._progress(harness.Measurement("c", status="oom")) == "c oom"
+
+
+@pytest.mark.parametrize(
+    ("caps", "expected"),
+    [((None, None, None), (2, 3, 2)), ((0, 2, 1), (0, 2, 1)), ((5, 9, 9), (2, 3, 2))],
+)
+def test_harness_workload_caps(caps, expected):
+    """``Workload.max_warmup/max_rounds/max_reps`` cap the run's warm-up calls, rounds and calls per
+    round for that workload (never raise them): the calls counted are first + warm-up + the memory
+    call + rounds × reps, and the row's ``samples`` is rounds × reps."""
+    warmup, rounds, reps = expected
+    counted = []
+
+    def setup(device, impls, copies):
+        def call(i):
+            counted.append(i)
+            return harness.CallResult((torch.ones(()),))
+
+        return harness.Prepared({"a": call})
+
+    workload = harness.Workload(
+        "toy", "fwd", {"n": 8}, None, None, 256, ("a",), "a", setup,
+        max_warmup=caps[0], max_rounds=caps[1], max_reps=caps[2],
+    )  # fmt: skip
+    suite = harness.Suite("toy", "a toy", ("a",), ("toy",), ("n",), "a", lambda opts: [workload])
+    opts = harness.Options(device=torch.device("cpu"), smoke=True, warmup=2, rounds=3, reps=2)
+    assert workload.capped(opts) == expected
+    rows, _ = harness.run_suite(suite, opts, log=lambda line: None)
+    assert rows[0]["samples"] == rounds * reps
+    assert len(counted) == 1 + warmup + 1 + rounds * reps
+
+
 @pytest.mark.parametrize("oracle_fails", [False, True])
 def test_harness_untimed_reference(oracle_fails):
     """A reference that is not one of the timed implementations (an oracle the setup provides under

@@ -15,7 +15,8 @@ Method (DESIGN.md, "Performance method"):
   on CPU ``time.perf_counter``. A workload with ``queue_ahead`` queues a 1 GiB write (L2 evicted)
   before each start event instead, so only GPU work is timed (calls of a few microseconds, e.g.
   decode-shaped GEMMs, whose isolated time is mostly launch latency). The row reports the median
-  and the 20th/80th percentiles.
+  and the 20th/80th percentiles. A workload whose calls take seconds caps ``warmup``, ``rounds``
+  and ``reps`` for itself (``Workload.max_*``); its ``samples`` column says how many calls it got.
 * **Back to back.** A workload with ``back_to_back`` is also timed the way a training step calls
   it: ``loop_calls`` calls issued one after the other, one sync at the end, wall time per call
   (``b2b_ms``, the median of ``loop_reps`` loops, implementations interleaved). Host time that
@@ -184,7 +185,8 @@ def _time_all(timed: dict[str, Call], results: dict[str, Measurement], opts: Opt
               workload: Workload) -> None:  # fmt: skip
     """The isolated, interleaved timing of every implementation, then (``workload.back_to_back``)
     the back-to-back loops of those that are still fine."""
-    kw = {"rounds": opts.rounds, "reps": opts.reps, "copies": copies, "queue_ahead": workload.queue_ahead}
+    _, rounds, reps = workload.capped(opts)
+    kw = {"rounds": rounds, "reps": reps, "copies": copies, "queue_ahead": workload.queue_ahead}
     for impl, xs in _time_each(time_interleaved, timed, results, opts.device, "interleaved", **kw).items():
         results[impl].samples = xs
     if not (workload.back_to_back and opts.loop_calls > 0):
@@ -249,7 +251,7 @@ def bench_workload(workload: Workload, opts: Options, *, l2_bytes: int = 0) -> l
             call(0)
             synchronize(device)
             m.first_call_s = time.perf_counter() - t0
-            for w in range(opts.warmup):
+            for w in range(workload.capped(opts)[0]):
                 call(w % copies)
             synchronize(device)
             out, m.peak_bytes = measure_call(call, device)
@@ -277,11 +279,14 @@ ENV_VARS = ("RLKERNEL_BACKEND", "TRITON_INTERPRET", "PYTORCH_CUDA_ALLOC_CONF", "
 
 
 def _progress(m: Measurement) -> str:
+    """One implementation's result for the console line of its workload; with the peak memory, so
+    that the log of a run stopped before its files are written still has the numbers."""
     if not m.samples:
         return f"{m.impl} {m.status.split(':')[0]}"
     first = f" (1st call {m.first_call_s:.1f} s)" if m.first_call_s and m.first_call_s >= 1 else ""
     b2b = f" / {statistics.median(m.b2b_samples):.3g} b2b" if m.b2b_samples else ""
-    return f"{m.impl} {statistics.median(m.samples):.3g}{b2b} ms{first}"
+    peak = f" [peak +{m.peak_bytes / 1e9:.2f} GB]" if m.peak_bytes is not None else ""
+    return f"{m.impl} {statistics.median(m.samples):.3g}{b2b} ms{first}{peak}"
 
 
 def run_suite(suite: Suite, opts: Options, *, log: Callable[[str], None] = print) -> tuple[list[dict], dict]:

@@ -12,7 +12,8 @@ Workloads (bf16 on the GPU; ``shape`` and ``tokens`` columns say the size):
                     gate/up_proj and lm_head
     rmsnorm         HF Qwen3RMSNorm over [M, 4096], M = 8192 and 32768, against its bandwidth ceiling
     rmsnorm_fwd_bwd the same, forward + backward (dx, dweight)
-    attn_prefill    causal GQA, 32/8 heads, head_dim 128: B=4 × T=2048 and B=1 × T=8192
+    attn_prefill    causal GQA, 32/8 heads, head_dim 128: B=4 × T=2048, B=1 × T=8192, B=4 × T=8192
+                    and B=1 × T=32768 (issue 25's shapes; --quick: the first)
     attn_prefill_fwd_bwd  the same, forward + backward (dq, dk, dv)
     attn_decode     one query per sequence against a KV cache: 2048 at B = 1, 8, 32, 64; 8192 and
                     32768 at B = 1 and 32 (the long-cache decode of issue 25: B = 1 runs split-decode)
@@ -20,15 +21,25 @@ Workloads (bf16 on the GPU; ``shape`` and ``tokens`` columns say the size):
                     prefill forward of 8 × 512 tokens, no grad
     model_decode    the same model: one decode step at batch 32 against a 512-entry KV cache
     model_train     the same model: forward + backward over 4 × 512 tokens
+    model_long_prefill  a Qwen3-8B-shaped 2-layer slice at B = 1: one prefill of T = 8192 and 32768
+                    tokens as generate() runs it (logits_to_keep=1), no grad (the model_long_*
+                    rows are not in a --quick run)
+    model_long_decode   the same slice: one decode step at B = 1 against a KV cache of 8192 / 32768
+    model_long_train    the same slice: one training step without the optimizer (forward,
+                    ``fused_policy_loss(hidden=...)``, backward to every parameter) on T = 8192,
+                    32768 and 131072 tokens as one sequence, and on 131072 tokens of ragged
+                    sequences packed into one row (:mod:`rlkernel.bench._invariant_long` has the
+                    inputs and how each model is told about the packing)
 
 Implementations:
 
     rlkernel     rlkernel.invariant: ``linear``, ``rms_norm``, ``attention``; for the model workloads
-                 the HF model after ``patch_hf_model`` (a second copy with the same weights)
+                 the HF model after ``patch_hf_model`` (a second copy sharing the same weights); on
+                 ``model_long_train``, ``fused_policy_loss(..., invariant=True)``
     torch        the standard path: ``F.linear`` (cuBLAS), the HF RMSNorm code, SDPA
                  (``scaled_dot_product_attention`` on K/V whose heads were repeated to Hq before the
                  timed call, so PyTorch's FlashAttention-2 backend applies on an H100), the unpatched
-                 HF model with SDPA
+                 HF model with SDPA (on ``model_long_train``, ``fused_policy_loss``'s defaults)
     flash_attn   ``flash_attn_func`` / ``flash_attn_with_kvcache`` where flash-attn is importable
 
 Opt-in variants (``--impl``; not in the default run or the README table):
@@ -46,7 +57,9 @@ Timing: the kernel workloads (gemm, rmsnorm, attn_*) are GPU time (``Workload.qu
 host has issued each call before the GPU reaches it, so rows compare kernels and their ceilings,
 not Python launch paths); gemm_eager and the model workloads are eager calls timed as a caller sees
 them (for a decode step: mostly host time). ``scripts/profile_invariant.py`` breaks the host
-time of each op down.
+time of each op down. The training steps that take seconds cap their calls per implementation
+(``Workload.max_*``): 1 + 1 + 1 + 6 at 32k tokens, 1 + 1 + 3 at 128k (first call, warm-up, memory
+call, timed); the ``samples`` column says how many were timed.
 
 Bytes and flops (for the roofline columns; E = 2 bytes per bf16 element):
 
@@ -67,6 +80,11 @@ Caveats:
     * The model workloads compare the patched model with HF's SDPA model; the ratio is the cost of
       invariance end to end at these shapes, including HF's Python overhead, which dominates a decode
       step of a 4-layer model.
+    * ``peak_extra_gb`` of a model row is above the resident weights (one copy, shared by both
+      models; the notes give their size): the memory a step needs beyond the model itself.
+    * The packed 128k row of the unpatched model goes through HF's own packed path, an N × N mask
+      with SDPA (no FlashAttention kernel takes a mask): it may run out of memory on an 80 GB GPU,
+      which its row then says (``oom``) rather than ending the run.
 """
 
 from __future__ import annotations
@@ -78,6 +96,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlkernel.bench._invariant_long import LONG_KINDS, long_setup, packed_lengths
 from rlkernel.bench._invariant_models import model_setup
 from rlkernel.bench.suite import (
     BenchError,
@@ -100,6 +119,7 @@ IMPLS = ("rlkernel", "torch", "flash_attn", *VARIANTS)
 KINDS = (
     "gemm", "gemm_eager", "gemm_fwd_bwd", "rmsnorm", "rmsnorm_fwd_bwd", "attn_prefill",
     "attn_prefill_fwd_bwd", "attn_decode", "model_prefill", "model_decode", "model_train",
+    *LONG_KINDS,
 )  # fmt: skip
 SEED = 1234
 E = 2  # bytes per bf16 element
@@ -117,10 +137,16 @@ GEMM_M_QUICK = (8192, 1, 64)
 GEMM_FWD_BWD_M = 8192
 RMS_M, RMS_H = (8192, 32768), 4096
 HQ, HKV, D = 32, 8, 128
-PREFILL = ((4, 2048), (1, 8192))  # (B, T)
+PREFILL = ((4, 2048), (1, 8192), (4, 8192), (1, 32768))  # (B, T); --quick takes the first
 # (B, Tk); --quick takes every other one
 DECODE = ((1, 2048), (8, 2048), (32, 2048), (64, 2048), (32, 8192), (1, 8192), (1, 32768), (32, 32768))
 MODEL_PREFILL, MODEL_DECODE, MODEL_TRAIN = (8, 512), (32, 512), (4, 512)  # (B, T)
+# model_long_*: the Qwen3-8B slice at B = 1; T for prefill, decode (the cache) and training, and the
+# 128k training step (one sequence and packed). Timing caps (warmup, rounds, reps) for the training
+# steps that take seconds: the longest T gets 1 + 1 + 1 + 6 calls per implementation (first call,
+# warm-up, memory, timed), the 128k step 1 + 1 + 3.
+LONG_CONFIG, LONG_T, LONG_STEP_T = "qwen3-8b-slice", (8192, 32768), 131072
+LONG_TRAIN_CAPS, STEP_CAPS, NO_CAPS = (1, 3, 2), (0, 3, 1), (None, None, None)
 
 SMOKE_GEMM = ((48, 32, "smoke"),)
 SMOKE_M = (1, 8)
@@ -128,6 +154,7 @@ SMOKE_RMS = ((16,), 64)
 SMOKE_HEADS = (4, 2, 16)
 SMOKE_PREFILL, SMOKE_DECODE = ((2, 16),), ((2, 16),)
 SMOKE_MODEL = (2, 8)
+SMOKE_LONG_T, SMOKE_LONG_STEP_T = (16, 32), 64
 
 
 @dataclass(frozen=True)
@@ -144,6 +171,9 @@ class Sizes:
     model_decode: tuple[int, int]
     model_train: tuple[int, int]
     gemm_fwd_bwd_m: int
+    long_config: str
+    long_t: tuple[int, ...]
+    long_step_t: int
 
 
 def sizes_for(opts: Options) -> Sizes:
@@ -161,6 +191,9 @@ def sizes_for(opts: Options) -> Sizes:
             (b, t),
             (b, t),
             SMOKE_M[-1],
+            "tiny",
+            SMOKE_LONG_T,
+            SMOKE_LONG_STEP_T,
         )
     return Sizes(
         GEMM_SHAPES,
@@ -175,6 +208,9 @@ def sizes_for(opts: Options) -> Sizes:
         MODEL_DECODE,
         MODEL_TRAIN,
         GEMM_FWD_BWD_M,
+        LONG_CONFIG,
+        LONG_T,
+        LONG_STEP_T,
     )
 
 
@@ -382,7 +418,7 @@ def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int], backward:
 
 def _workload(
     name, pass_, shape, tokens, setup, impls, *, flops=None, bytes_moved=None, input_bytes=0,
-    queue_ahead=False,
+    queue_ahead=False, caps=(None, None, None),
 ):  # fmt: skip
     return Workload(
         name=name,
@@ -395,6 +431,9 @@ def _workload(
         reference="torch" if "torch" in impls else None,
         setup=setup,
         queue_ahead=queue_ahead,
+        max_warmup=caps[0],
+        max_rounds=caps[1],
+        max_reps=caps[2],
     )
 
 
@@ -404,6 +443,11 @@ def build(opts: Options) -> list[Workload]:
     impls = select_impls(opts.impls, IMPLS, VARIANTS, "invariant")
     if opts.n_tokens or opts.vocab:
         raise BenchError("suite 'invariant' has fixed shapes: --n/--v do not apply (use --workload)")
+    if opts.quick:  # the long-context rows take minutes: a full run's alone
+        named = [k for k in LONG_KINDS if opts.workloads is not None and k in opts.workloads]
+        if named:
+            raise BenchError(f"{named[0]} has no --quick sizes (its rows take minutes): run without --quick")
+        kinds = tuple(k for k in kinds if k not in LONG_KINDS)
     sz = sizes_for(opts)
 
     def chosen(*applicable: str) -> tuple[str, ...]:
@@ -518,6 +562,48 @@ def build(opts: Options) -> list[Workload]:
                     model_setup(kind, sz.model_config, b, t, SEED),
                     two,
                     input_bytes=1 << 40,
+                )
+            )
+    out += _long_workloads(kinds, sz, two)
+    return out
+
+
+def _long_workloads(kinds: tuple[str, ...], sz: Sizes, impls: tuple[str, ...]) -> list[Workload]:
+    """The ``model_long_*`` rows (:mod:`rlkernel.bench._invariant_long`): prefill and decode at each
+    T of ``sz.long_t``; training at each T, then ``sz.long_step_t`` tokens as one sequence and packed."""
+    if not impls:
+        return []
+    out = []
+    for kind in LONG_KINDS:
+        if kind not in kinds:
+            continue
+        layouts = [[t] for t in sz.long_t]
+        if kind == "model_long_train":
+            n = sz.long_step_t
+            layouts += [[n], packed_lengths(n, SEED)]
+        for lengths in layouts:
+            t = sum(lengths)
+            if kind == "model_long_decode":
+                shape, tokens = f"{sz.long_config} B=1 cache={t}", 1
+            elif len(lengths) > 1:
+                shape, tokens = f"{sz.long_config} packed S={len(lengths)} T={t}", t
+            else:
+                shape, tokens = f"{sz.long_config} B=1 T={t}", t
+            caps = NO_CAPS
+            if kind == "model_long_train" and t == sz.long_step_t:
+                caps = STEP_CAPS
+            elif kind == "model_long_train" and t == max(sz.long_t):
+                caps = LONG_TRAIN_CAPS
+            out.append(
+                _workload(
+                    kind,
+                    "fwd+bwd" if kind == "model_long_train" else "fwd",
+                    shape,
+                    tokens,
+                    long_setup(kind, sz.long_config, lengths, SEED),
+                    impls,
+                    input_bytes=1 << 40,
+                    caps=caps,
                 )
             )
     return out

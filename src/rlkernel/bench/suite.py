@@ -116,6 +116,10 @@ class Workload:
         back_to_back: also time the implementations the way a training loop calls them:
             ``Options.loop_calls`` calls issued back to back, then one sync; the row's ``b2b_ms`` is
             the per-call wall time (host time hidden behind earlier calls' GPU work, or not).
+        max_warmup, max_rounds, max_reps: caps on the run's ``Options.warmup`` / ``rounds`` /
+            ``reps`` for this workload (None: the run's own). For calls that take seconds (a
+            training step on 131,072 tokens), where the run's 1 + 1 + 15 calls per implementation
+            would take minutes and a few samples already say what there is to say.
     """
 
     name: str
@@ -129,6 +133,15 @@ class Workload:
     setup: Callable[[torch.device, tuple[str, ...], int], Prepared]
     queue_ahead: bool = False
     back_to_back: bool = False
+    max_warmup: int | None = None
+    max_rounds: int | None = None
+    max_reps: int | None = None
+
+    def capped(self, opts: Options) -> tuple[int, int, int]:
+        """``(warmup, rounds, reps)`` for this workload: the run's, capped by ``max_*``."""
+        pairs = ((opts.warmup, self.max_warmup), (opts.rounds, self.max_rounds), (opts.reps, self.max_reps))
+        warmup, rounds, reps = (value if cap is None else min(value, cap) for value, cap in pairs)
+        return warmup, rounds, reps
 
     @property
     def label(self) -> str:
