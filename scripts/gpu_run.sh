@@ -13,7 +13,9 @@
 #   consistency     scripts/gpu_consistency.sh         (rollout vs training log-probs, patched model)
 #   bench_logits    rlkernel bench logits (~3-4 min on an H100: give it STEP_TIMEOUT=420)
 #   bench_linear    rlkernel bench linear (~6-8 min on an H100: give it STEP_TIMEOUT=560)
-#   bench_invariant rlkernel bench invariant
+#   bench_invariant rlkernel bench invariant (the long-context rows included: several minutes on an H100, the
+#                   128k training steps ~1 min each; give it STEP_TIMEOUT=560, or BENCH_ARGS="--quick"
+#                   for the short rows only)
 #   bench_multigpu  rlkernel bench multigpu: one torchrun per GPU count (2, 4, ... up to those present;
 #                   BENCH_ARGS="--gpus 2,4"), each killed after 240 s (give it STEP_TIMEOUT=420)
 #   trl_trainer     scripts/trl_trainer_compare.py: RLKernelGRPOTrainer vs trl.GRPOTrainer, a few GRPO
