@@ -14,6 +14,7 @@ only torch), so both packages can use it.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,27 @@ def rejected(codes: list[int], messages: list[str]) -> tuple[type[Exception], li
         else f"ranks {ranks} rejected their inputs: {msg}"
         for msg, ranks in by_message.items()
     ]
+
+
+def local_rejections(table: list[list[int]], error_field: int, n_fields: int):
+    """:func:`rejected` of a gathered descriptor table whose rows hold the :func:`error_code` at
+    ``error_field`` and the :func:`message_words` after their first ``n_fields`` fields."""
+    return rejected([row[error_field] for row in table], [message(row[n_fields:]) for row in table])
+
+
+def disagreements(
+    table: list[list[int]], index: dict[str, int], must_agree, describe: Callable[[str, int], str]
+) -> list[str]:
+    """``"<words> differs across ranks (rank 0: …, rank 1: …)"`` for each ``(field, words)`` of
+    ``must_agree`` whose values differ between the table's rows, in that order; ``describe(field,
+    value)`` puts a value in words."""
+    problems = []
+    for field, words in must_agree:
+        values = [row[index[field]] for row in table]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {r}: {describe(field, v)}" for r, v in enumerate(values))
+            problems.append(f"{words} differs across ranks ({per_rank})")
+    return problems
 
 
 def float_bits(x: float) -> int:

@@ -59,8 +59,7 @@ _MUST_AGREE = (
     ("return_entropy", "return_entropy"),
     ("hidden_grad", "whether hidden requires grad"),
     ("chunk_rows", "chunk_rows (0 = automatic)"),
-    ("id_hash", "token_ids checksum (the ids must be the same on every rank)"),
-)
+)  # and the ids' checksum (``id_hash``), reported by rank rather than by value (see _verdict)
 
 
 def _format(field: str, value: int) -> str:
@@ -148,23 +147,15 @@ def _descriptor(hidden, weight, bias, ids, temperature, ignore_index, return_ent
 
 def _verdict(table: list[list[int]]) -> tuple[type[Exception], list[str]] | None:
     """The same ``(exception type, problems)`` on every rank, or ``None`` when the layout agrees."""
-    messages = [agreement.message(row[len(_FIELDS) :]) for row in table]
-    failed = agreement.rejected([row[_F["error"]] for row in table], messages)
+    failed = agreement.local_rejections(table, _F["error"], len(_FIELDS))
     if failed is not None:
         return failed
-    problems = []
-    for field, words in _MUST_AGREE:
-        values = [row[_F[field]] for row in table]
-        if len(set(values)) == 1:
-            continue
-        if field == "id_hash":
-            if problems and problems[0].startswith("token count"):
-                continue  # different N: different ids follow, nothing more to say
-            differ = [r for r, v in enumerate(values) if v != values[0]]
-            problems.append(f"token_ids differ across ranks: rank(s) {differ} differ from rank 0")
-        else:
-            per_rank = ", ".join(f"rank {r}: {_format(field, v)}" for r, v in enumerate(values))
-            problems.append(f"{words} differs across ranks ({per_rank})")
+    problems = agreement.disagreements(table, _F, _MUST_AGREE, _format)
+    hashes = [row[_F["id_hash"]] for row in table]
+    # Different N: different ids follow, nothing more to say.
+    if len(set(hashes)) > 1 and not (problems and problems[0].startswith("token count")):
+        differ = [r for r, v in enumerate(hashes) if v != hashes[0]]
+        problems.append(f"token_ids differ across ranks: rank(s) {differ} differ from rank 0")
     return (ValueError, problems) if problems else None
 
 
@@ -226,8 +217,9 @@ def agree_across_ranks(
     Raises:
         TypeError: ``tp_group`` is not a ProcessGroup (locally, before any collective); or every
             rank failed a type check of its local inputs.
-        ValueError: a rank's local checks failed, a field of :data:`_MUST_AGREE` differs across
-            ranks, or (``validate``) an active id is outside the global ``[0, V)``.
+        ValueError: a rank's local checks failed, a field of :data:`_MUST_AGREE` or the ids'
+            checksum differs across ranks, or (``validate``) an active id is outside the global
+            ``[0, V)``.
     """
     check_group("tp_group", tp_group)
     error = None

@@ -164,16 +164,10 @@ def _format(field: str, value: int) -> str:
 
 def _verdict(table: list[list[int]], ids_name: str | None) -> tuple[type[Exception], list[str]] | None:
     """The same ``(exception type, problems)`` on every rank, or None when the ranks agree."""
-    messages = [agreement.message(row[len(_FIELDS) :]) for row in table]
-    failed = agreement.rejected([row[_F["error"]] for row in table], messages)
+    failed = agreement.local_rejections(table, _F["error"], len(_FIELDS))
     if failed is not None:
         return failed
-    problems = []
-    for field, words in _MUST_AGREE:
-        values = [row[_F[field]] for row in table]
-        if len(set(values)) > 1:
-            per_rank = ", ".join(f"rank {r}: {_format(field, v)}" for r, v in enumerate(values))
-            problems.append(f"{words} differs across ranks ({per_rank})")
+    problems = agreement.disagreements(table, _F, _MUST_AGREE, _format)
     readings = {row[_F["advantages"]] for row in table} - {2}
     if len(readings) > 1:
         per_rank = ", ".join(
