@@ -175,9 +175,14 @@ class _ShardGemms:
     def operand(self, gz):
         return gz.to(self.w.dtype) if self.half else gz
 
-    def grad_hidden(self, g):
-        """``∂z @ W_r`` in fp32, from :meth:`operand`."""
-        return self._mm(g, self.w) if self.half else g @ self.w
+    def grad_hidden(self, g, out=None):
+        """``∂z @ W_r`` in fp32 (fp64), from :meth:`operand`; into ``out`` (contiguous rows) when
+        given."""
+        if out is None:
+            return self._mm(g, self.w) if self.half else g @ self.w
+        if self.half and g.device.type == "cuda":
+            return torch.mm(g, self.w, out_dtype=torch.float32, out=out)
+        return out.copy_(self._mm(g, self.w) if self.half else g @ self.w)
 
     def grad_weight(self, g, h):
         """``∂zᵀ h`` over every row in one GEMM, in the operand dtype (half mode: fp32 accumulation
@@ -249,7 +254,6 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
         acc = gemms.acc
         g_logp = torch.where(active, grad_logp.to(acc), 0.0)
         g_ent = torch.where(active, grad_entropy.to(acc), 0.0) if ctx.want_ent else None
-        g_target = torch.where(owned, g_logp, 0.0)  # the one-hot term lives on the owner rank only
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         step = ctx.chunk_rows
@@ -281,14 +285,15 @@ class VocabParallelLinearLogprobs(torch.autograd.Function):
                 if need_b:
                     d_bias += g.sum(0, dtype=acc)
             else:
-                args = (lse[rows], entropy[rows], g_logp[rows], g_target[rows], g_ent_rows, ctx.temperature)
+                g_target = torch.where(owned[rows], g_logp[rows], 0.0)  # the one-hot: owner rank only
+                args = (lse[rows], entropy[rows], g_logp[rows], g_target, g_ent_rows, ctx.temperature)
                 gz = _torch_grad_chunk(gemms, hidden[rows], local[rows], *args)
                 if need_b:
                     d_bias += gz.sum(0)
                 g = gemms.operand(gz) if need_h or need_w else None
                 del gz
             if dh_all is not None:
-                dh_all[rows] = gemms.grad_hidden(g)
+                gemms.grad_hidden(g, out=dh_all[rows])
             elif need_h and not whole:
                 reducer.add(rows, gemms.grad_hidden(g))
             if need_w and not whole:
