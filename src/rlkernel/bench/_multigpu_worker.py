@@ -227,7 +227,8 @@ def tp_workload(ctx: Ctx) -> list[dict[str, Any]]:
              f"{_STEP.format(', tp_group=WORLD')}; step = the slowest rank's"),
         Impl("all_reduce_dhidden", ctx.world, lambda: _all_reduce(ctx, dhidden), bytes=n * h * 4,
              notes="one all_reduce (sum) of an [N, H] fp32 tensor, alone: the dhidden the TP backward "
-             "all-reduces (there in blocks of at most 64 MiB); step = the slowest rank's"),
+             "all-reduces (there in one piece for a batch of at most C + H rows, else per chunk); step = "
+             "the slowest rank's"),
     ]  # fmt: skip
     common = {"workload": "tp_logprobs_entropy_fwd_bwd", "pass": "fwd+bwd", "world_size": ctx.world,
               "n_tokens": n, "hidden": h, "vocab": v}  # fmt: skip
