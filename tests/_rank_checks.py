@@ -53,20 +53,10 @@ def run_checks(
 
 def init_torchrun_group(smoke: bool, timeout_s: float):
     """The process group of a torchrun worker: gloo on the CPU (``smoke``: one thread) or NCCL on
-    ``LOCAL_RANK``'s GPU. Returns the rank's device."""
-    import torch
-    import torch.distributed as dist
+    ``LOCAL_RANK``'s GPU (the bench's multigpu worker's start). Returns the rank's device."""
+    from rlkernel.bench._multigpu_worker import init_torchrun_group as init
 
-    timeout = timedelta(seconds=timeout_s)
-    if smoke:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=timeout)
-        return torch.device("cpu")
-    local = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    return device
+    return init(smoke, timeout_s)
 
 
 def worker_args(doc: str) -> argparse.Namespace:

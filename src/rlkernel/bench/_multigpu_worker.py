@@ -318,8 +318,11 @@ WORKLOADS: dict[str, Callable[[Ctx], list[dict[str, Any]]]] = {
 # --------------------------------------------------------------------------------------------------
 
 
-def _init(smoke: bool) -> torch.device:
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+def init_torchrun_group(smoke: bool, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> torch.device:
+    """The process group of a torchrun worker: gloo on the CPU (``smoke``: one thread) or NCCL on
+    ``LOCAL_RANK``'s GPU, collectives timing out after ``timeout_s``. Returns the rank's device.
+    (The multi-GPU tests' workers start the same way.)"""
+    timeout = timedelta(seconds=timeout_s)
     if smoke:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=timeout)
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args(argv)
-    device = _init(args.smoke)
+    device = init_torchrun_group(args.smoke)
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = Ctx(rank=rank, world=world, device=device, group=dist.group.WORLD, smoke=args.smoke,
               warmup=args.warmup, rounds=args.rounds, reps=args.reps)  # fmt: skip
