@@ -51,6 +51,18 @@ def run_checks(
     return True
 
 
+def start_method(preload: list[str]) -> str:
+    """How ``run_spawned`` starts its workers: ``"forkserver"`` where there is one, its server
+    importing ``preload`` once (harmless if another module's server already runs: the workers then
+    import those modules each), else ``"spawn"``."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(preload)
+    return "forkserver"
+
+
 def init_torchrun_group(smoke: bool, timeout_s: float):
     """The process group of a torchrun worker: gloo on the CPU (``smoke``: one thread) or NCCL on
     ``LOCAL_RANK``'s GPU (the bench's multigpu worker's start). Returns the rank's device."""

@@ -19,7 +19,6 @@ once), and the fixture gives up after ``DEADLINE_S``: hangs become failures.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernel as rk
-from _rank_checks import fail_unless_ok, run_spawned
+from _rank_checks import fail_unless_ok, run_spawned, start_method
 
 from . import _fsdp2_workers
 
@@ -44,14 +43,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _start_method() -> str:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    # Workers fork from a server that imported these once; harmless if the server already runs
-    # (started by test_vocab_parallel.py with its own list: the workers then import FSDP2 each).
-    multiprocessing.set_forkserver_preload(
+    return start_method(
         ["torch", "torch.distributed", "rlkernel", "rlkernel.distributed", "torch.distributed.fsdp"]
     )
-    return "forkserver"
 
 
 @pytest.fixture(scope="module")

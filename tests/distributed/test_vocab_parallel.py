@@ -12,14 +12,13 @@ then fail at once in their next collective), and the fixture gives up after ``DE
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _rank_checks import fail_unless_ok, run_spawned
+from _rank_checks import fail_unless_ok, run_spawned, start_method
 
 from . import _workers
 
@@ -32,11 +31,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _start_method() -> str:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    # Workers fork from a server that imported these once; harmless if the server already runs.
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "rlkernel", "rlkernel.distributed"])
-    return "forkserver"
+    return start_method(["torch", "torch.distributed", "rlkernel", "rlkernel.distributed"])
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")

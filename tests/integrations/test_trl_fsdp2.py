@@ -14,13 +14,12 @@ and transformers once, a 20 s gloo timeout per collective, a deadline for the wh
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 
 import pytest
 import torch.distributed as dist
 
-from _rank_checks import fail_unless_ok, run_spawned
+from _rank_checks import fail_unless_ok, run_spawned, start_method
 
 from . import _trl_fsdp2_workers
 from .trl_helpers import require_trl
@@ -35,13 +34,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _start_method() -> str:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    # Harmless if another module's server already runs (the workers then import these each).
-    multiprocessing.set_forkserver_preload(
-        ["torch", "torch.distributed", "rlkernel", "torch.distributed.fsdp", "transformers"]
-    )
-    return "forkserver"
+    return start_method(["torch", "torch.distributed", "rlkernel", "torch.distributed.fsdp", "transformers"])
 
 
 @pytest.fixture(scope="module")
