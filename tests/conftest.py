@@ -20,6 +20,20 @@ if not ON_GPU:
         raise pytest.UsageError(f"{_compiled} were imported before tests/conftest.py set TRITON_INTERPRET=1")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures(...)``): the
+    CPU invariant path runs one small GEMV per row, and with other processes on the machine OpenMP's
+    spinning threads make each ~100x slower. Bits depend on the thread count, which stays fixed
+    within a module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def one_rank_group():
     """A gloo process group of one rank (this process), for the ``tp_group`` paths on the CPU."""

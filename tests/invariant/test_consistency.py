@@ -20,15 +20,7 @@ CPU = torch.device("cpu")
 SMALL = ["--num-seqs", "6", "--prompt-len", "6", "--gen-len", "8", "--reps", "1"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # See test_patch.py: the CPU invariant path is many tiny GEMVs, slow with oversubscribed OpenMP.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

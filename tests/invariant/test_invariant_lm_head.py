@@ -27,15 +27,7 @@ CPU = torch.device("cpu")
 FP32 = torch.float32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # As in test_patch.py: the CPU invariant path is one small GEMV per row, slow with OpenMP spinning.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -23,17 +23,7 @@ from rlkernel.invariant.patch import is_patched
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The CPU invariant path runs one small GEMV per row; with other processes on the machine,
-    # OpenMP's spinning threads make each of those ~100x slower. Bits depend on the thread count,
-    # which stays fixed within a test.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
