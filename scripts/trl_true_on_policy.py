@@ -65,6 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_trainer_compare import prompts, sync, tokenizer, versions  # noqa: E402
 from trl_trainer_compare import save_model as compare_save_model  # noqa: E402
 
+from rlkernel.integrations.trl.sampler import METRIC_NAMES  # noqa: E402 - imports no TRL
+
 SIZES = {
     "gpu": dict(hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936,
                 batch=8, generations=8, prompt_words=32, completion=128, steps=20, lr=1e-4),
@@ -72,13 +74,7 @@ SIZES = {
                  batch=4, generations=4, prompt_words=4, completion=8, steps=4, lr=5e-3),
 }  # fmt: skip
 TRAINERS = {"trl": "trl.GRPOTrainer (stock)", "rlkernel": "RLKernelGRPOTrainer(true_on_policy=True)"}
-METRICS = (
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
-)
+METRICS = METRIC_NAMES  # TRL's names for the sampler/trainer mismatch: mean/max |Δlogp|, min/mean/max ratio
 DOCS_BEGIN, DOCS_END = "<!-- trl-true-on-policy:begin -->", "<!-- trl-true-on-policy:end -->"
 
 
