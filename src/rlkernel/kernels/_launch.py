@@ -90,14 +90,6 @@ def _classes(args: tuple) -> list:
     ]  # fmt: skip
 
 
-def _arg_class(arg: object) -> object:
-    """``_classes`` of one argument (what the tests check); TypeError if it has no class."""
-    try:
-        return _classes((arg,))[0]
-    except AttributeError:
-        raise TypeError(f"no fast-launch class for an argument of type {type(arg).__name__}") from None
-
-
 _runtime_knobs = None
 
 
