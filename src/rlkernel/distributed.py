@@ -151,7 +151,8 @@ def _summed_over_cp(per_seq: torch.Tensor, cp_group: object) -> torch.Tensor:
     device = collective_device(cp_group, per_seq)
     size = torch.tensor([per_seq.numel(), -per_seq.numel()], dtype=torch.int64, device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MAX, group=cp_group)
-    largest, smallest = size[0].item(), -size[1].item()
+    largest, neg_smallest = size.tolist()  # one host read
+    smallest = -neg_smallest
     if largest != smallest:
         raise ValueError(
             f"global_normalizers: the ranks of cp_group hold different numbers of sequences (from "
