@@ -295,14 +295,23 @@ def _attend_block(
     INTERPRETED: tl.constexpr,
     DIAGONAL: tl.constexpr,
 ):
-    """One key block [start, start + BN) of the online softmax (see ``_attend_blocks``)."""
+    """One key block [start, start + BN) of the online softmax (see ``_attend_blocks``). A plain
+    block (not DIAGONAL) is seen whole by every row of the tile, so its keys are all below len_k
+    and the causal ``where`` would keep every score: it is skipped there (same values, less ALU
+    work per score and no per-key load predicate)."""
     keys = start + tl.arange(0, BLOCK_N)
-    kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+    if DIAGONAL:
+        kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+    else:
+        kv_ok = mask_d[None, :]  # the d mask alone, broadcast over the keys
     k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
     s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
     visible = keys[None, :] <= qpos[:, None]
-    t = tl.where(visible, s * scale, float("-inf"))
+    if DIAGONAL:
+        t = tl.where(visible, s * scale, float("-inf"))
+    else:
+        t = s * scale
     m_new = tl.maximum(m_i, tl.max(t, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: 2^(−inf) = 0
     alpha = tl.math.exp2(m_i - m_use)

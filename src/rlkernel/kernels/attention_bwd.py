@@ -54,24 +54,38 @@ from rlkernel.kernels.attention import (
 
 
 @dataclasses.dataclass(frozen=True)
-class BwdConfig:
-    """Backward launch configuration (any choice is deterministic; it need not be invariant)."""
+class KernelTiles:
+    """One backward kernel's launch configuration."""
 
-    block_m: int  # queries per block in the dK/dV kernel and per program in the dQ kernel
-    block_n: int  # keys per program in the dK/dV kernel and per block in the dQ kernel
+    block_m: int  # queries per block
+    block_n: int  # keys per block
     num_warps: int
     num_stages: int
 
 
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """Backward launch configuration, one per kernel (any choice is deterministic; it need not be
+    invariant): ``dkdv`` (a program owns ``block_n`` keys and walks query blocks of ``block_m``),
+    ``dq`` (a program owns ``block_m`` queries and walks key blocks of ``block_n``)."""
+
+    dkdv: KernelTiles
+    dq: KernelTiles
+
+
 def bwd_config(head_dim: int, dtype: torch.dtype) -> BwdConfig:
     if interpreter_enabled():
-        return BwdConfig(16, 16, 1, 1)
+        return BwdConfig(KernelTiles(16, 16, 1, 1), KernelTiles(16, 16, 1, 1))
     d = _block_d(head_dim)
     if dtype == torch.float32 or d > 128:
-        return BwdConfig(32, 32, 4, 1)
-    if d <= 64:
-        return BwdConfig(64, 64, 4, 2)
-    return BwdConfig(64, 64, 8, 2)
+        tiles = KernelTiles(32, 32, 4, 1)
+    else:
+        # 16-bit, D <= 128: one warpgroup per program. H100, B = 1, T = 8192, Hq/Hkv = 32/8, D = 128
+        # (2026-11-28, benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log): the backward took
+        # 9.23 ms at 64/64 with 8 warps (the former default: 255 registers and a 648-byte stack
+        # per thread on sm_90) against 7.06 ms with dK/dV at 4 warps and 7.21 ms with dQ at 4.
+        tiles = KernelTiles(64, 64, 4, 2)
+    return BwdConfig(tiles, tiles)
 
 
 @triton.jit
@@ -326,8 +340,10 @@ def _attn_bwd_dq_kernel(
     INPUT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """dQ of one query block of one q head: Σ over its visible key blocks, in order."""
-    pid_m = tl.program_id(0).to(tl.int64)
+    """dQ of one query block of one q head: Σ over its visible key blocks, in order. Programs are
+    numbered last query block first: the causal work grows with the block, so the longest start
+    first and the short ones fill the tail."""
+    pid_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
     pid_bh = tl.program_id(1).to(tl.int64)
     n_q_heads = n_kv_heads * group
     b = pid_bh // n_q_heads
@@ -409,16 +425,12 @@ def attention_bwd(
     max_len_k = seqlen_k
     if packed:
         max_len_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item())
-    common = dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+    flags = dict(
         BLOCK_D=_block_d(d),
         HAS_KEY_START=key_start is not None,
         IS_VARLEN=packed,
         INPUT_PRECISION=_precision(q.dtype),
         INTERPRETED=interpreted(q),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
         enable_fp_fusion=FP_FUSION,
     )
     tail = (
@@ -446,10 +458,16 @@ def attention_bwd(
     )
     with _device_guard(q):
         if max_len_k > 0:
-            grid = (triton.cdiv(max_len_k, cfg.block_n), n_seq * hkv)
+            t = cfg.dkdv
+            grid = (triton.cdiv(max_len_k, t.block_n), n_seq * hkv)
             _attn_bwd_dkdv_kernel[grid](
-                dk, *_strides4(dk, packed), dv, *_strides4(dv, packed), *tail, **common
-            )
-        grid = (triton.cdiv(seqlen_q, cfg.block_m), n_seq * hq)
-        _attn_bwd_dq_kernel[grid](dq, *_strides4(dq, packed), *tail, **common)
+                dk, *_strides4(dk, packed), dv, *_strides4(dv, packed), *tail,
+                BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+            )  # fmt: skip
+        t = cfg.dq
+        grid = (triton.cdiv(seqlen_q, t.block_m), n_seq * hq)
+        _attn_bwd_dq_kernel[grid](
+            dq, *_strides4(dq, packed), *tail,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+        )  # fmt: skip
     return dq, dk, dv
