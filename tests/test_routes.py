@@ -172,7 +172,7 @@ DAPO = rk.PolicyLossConfig.preset("dapo", kl_coef=0.05, kl_estimator="k3", entro
             {"grad_in_forward_max_vocab": 0},
             Route("logits", "token", "triton", passes=3, plan="host"),
         ),
-        (rk.PolicyLossConfig.preset("gspo"), {}, Route("logits", "sequence", "triton", passes=3, plan="device")),
+        (rk.PolicyLossConfig.preset("gspo"), {}, Route("logits", "sequence", "triton", 3, "device")),
         (
             rk.PolicyLossConfig.preset("gspo", rollout_correction="token_tis"),
             {},
