@@ -22,9 +22,11 @@ maps each route to its builder; ``out.route`` says which ran; docs/api/routes.md
 * Every other objective from logits on the Triton backend with a gradient to compute: the same two
   log-prob kernels and, between them, the loss's per-token coefficients — for gspo, gspo_token and
   gmpo (``rl.seq_token_loss.is_eligible``, not under ``cp_group``) in closed form in ONE Triton
-  launch; for the rest (vespo, dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks,
-  gmpo with rollout weights) by the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd
-  inside the forward (``_logits_autograd``, ~100 small launches).
+  launch (a padded batch without rollout corrections: the plan built on the device as well,
+  ``ops.device_seq_plan``: mask counts + row kernel + sequence kernel); for the rest (vespo,
+  dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks, gmpo with rollout weights)
+  by the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the forward
+  (``_logits_autograd``, ~100 small launches).
 * Token-level objectives from hidden states: the fused chunk engine (3 GEMMs with a gradient).
 * Everything else (the hidden path of other objectives, ``tp_group``, fp64, the reference backend,
   ``token_level_fusion=False``): the composed path. All give the same loss, gradients (to fp32

@@ -5,7 +5,11 @@ The fused logits path (:mod:`rlkernel.rl.fused`) runs a log-prob kernel, then a 
 per-token statistics to the loss and its coefficients, then one backward kernel. For these loss
 types that function is written out here (a few dozen torch ops on ``[S, L]``) instead of running the
 ``policy_loss`` algebra under autograd (~100 launches forward and backward, 3–5 ms of host time per
-call at N = 8192 on an H100). Notation as :mod:`rlkernel.rl.objectives`; per token t of sequence i,
+call at N = 8192 on an H100). From a padded batch without rollout corrections (the route
+``logits/sequence/device``) even the plan is built on the device: :func:`device_seq_plan` gives the
+kernels the batch's tensors as they are, and mask counts, a row kernel (masked ids, id check, log-prob
+statistics) and the sequence kernel do the rest (``rlkernel.kernels.seq_plan``; no torch op, no host
+sync). Notation as :mod:`rlkernel.rl.objectives`; per token t of sequence i,
 m_t the active mask after rollout rejection, n_i = Σ_t m_t, w_t the aggregation weight
 (factor_t / D, as the token-level plan's) and ρ_t the detached rollout weight (1 without one):
 
