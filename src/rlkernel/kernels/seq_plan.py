@@ -41,7 +41,7 @@ from rlkernel.kernels import logprobs as lp
 from rlkernel.kernels import seq_token_loss as seq_kernels
 from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
-from rlkernel.kernels.logprobs import program_row, row_logprob_stats
+from rlkernel.kernels.logprobs import row_logprob_stats
 from rlkernel.kernels.token_loss_rows import COUNT_BLOCK, N_COUNTS, SUM_BLOCK, _mask_counts_kernel
 
 
@@ -86,7 +86,9 @@ def _seq_rows_kernel(
     HAS_ENTROPY: tl.constexpr,
     CHECK_IDS: tl.constexpr,
 ):
-    row, outer, inner, in_window = program_row(n_inner, n_inner, 0, n_inner, False)
+    row = tl.program_id(0).to(tl.int64)
+    outer = row // n_inner
+    inner = row % n_inner
     raw = tl.load(ids_ptr + row).to(tl.int64)
     active = tl.load(mask_ptr + row) != 0  # NaN: != 0 (unordered), as torch's mask != 0
     y = tl.where(active, tl.maximum(raw, -1), ignore_index)
