@@ -177,16 +177,15 @@ def test_bad_active_id_raises_as_the_host_route(bad):
     """The deferred id check (counted in the row kernel) raises the host route's error; here (the
     CPU interpreter) at the call, on CUDA at a later call."""
     base, kw = _inputs(seed=17)
-    kw["token_ids"] = kw["token_ids"].clone()
-    kw["token_ids"][2, 3] = bad
-    kw["mask"] = kw["mask"].clone()
-    kw["mask"][2, 3] = True
+    kw["token_ids"], kw["mask"] = kw["token_ids"].clone(), kw["mask"].clone()
+    kw["token_ids"][2, 3], kw["token_ids"][0, 4] = bad, V + 1  # two bad ids: the count and the first
+    kw["mask"][2, 3] = kw["mask"][0, 4] = True
     messages = []
     for host in (False, True):
         with pytest.raises(ValueError, match=r"token_ids \(at active mask positions\)") as err:
             _run(config("gspo"), base, kw, host=host)
         messages.append(str(err.value))
-    assert messages[0] == messages[1]
+    assert messages[0] == messages[1] and "2 id(s)" in messages[0], messages
     _, loss, _ = _run(config("gspo"), base, kw, validate=False)  # unchecked: the bad id's logp is NaN
     assert torch.isnan(loss)
 
