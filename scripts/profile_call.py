@@ -76,6 +76,8 @@ MARKS = (
     "rlkernel.rl.fused:route_facts",
     "rlkernel.rl.token_loss:device_plan_from_batch",
     "rlkernel.ops.device_plan_loss:device_plan_forward",
+    "rlkernel.rl.seq_token_loss:device_seq_plan",
+    "rlkernel.ops.device_seq_plan:seq_plan_forward",
     "rlkernel.ops.id_checks:defer_written",
     "rlkernel.kernels.logprobs:token_logprobs_bwd_window_into",
     "rlkernel.rl.token_loss:masked_token_ids",

@@ -49,7 +49,12 @@ CASES = [
     ("no grad", facts(needs_grad=False), Route("logits", "token", "triton", passes=1, plan="device")),
     ("packed / rollout correction", facts(device_plan=False), Route("logits", "token", "triton", 3, "host")),
     ("compiled", facts(compiling=True), Route("logits", "token", "compiled", passes=3, plan="host")),
-    ("gspo", facts(token_level=False, closed_form=True), Route("logits", "sequence", "triton", passes=3)),
+    ("gspo", facts(token_level=False, closed_form=True), Route("logits", "sequence", "triton", 3, "device")),
+    (
+        "gspo packed / rollout correction",
+        facts(token_level=False, closed_form=True, device_plan=False),
+        Route("logits", "sequence", "triton", passes=3, plan="host"),
+    ),
     ("vespo", facts(token_level=False), Route("logits", "autograd", "triton", passes=3)),
     (
         "gspo without grad",
@@ -167,11 +172,16 @@ DAPO = rk.PolicyLossConfig.preset("dapo", kl_coef=0.05, kl_estimator="k3", entro
             {"grad_in_forward_max_vocab": 0},
             Route("logits", "token", "triton", passes=3, plan="host"),
         ),
-        (rk.PolicyLossConfig.preset("gspo"), {}, Route("logits", "sequence", "triton", passes=3)),
+        (rk.PolicyLossConfig.preset("gspo"), {}, Route("logits", "sequence", "triton", 3, "device")),
+        (
+            rk.PolicyLossConfig.preset("gspo", rollout_correction="token_tis"),
+            {},
+            Route("logits", "sequence", "triton", passes=3, plan="host"),
+        ),
         (rk.PolicyLossConfig(loss_type="vespo"), {}, Route("logits", "autograd", "triton", passes=3)),
         (DAPO, {"token_level_fusion": False}, Route("logits", "composed", "triton", passes=3)),
     ],
-    ids=["device-2pass", "device-3pass", "host-3pass", "sequence", "autograd", "composed"],
+    ids=["device-2pass", "device-3pass", "host-3pass", "sequence", "sequence-host", "autograd", "composed"],
 )
 def test_each_logits_route_reports_itself_and_equals_the_reference(cfg, options, expected):
     base, kw = _inputs(seed=3)

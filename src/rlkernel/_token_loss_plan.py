@@ -491,3 +491,67 @@ def _branches(
         ADV_PER_SEQ=bool(adv_per_seq),
         FACTOR_PER_SEQ=bool(factor_per_seq),
     )
+
+
+# ------------------------------------------------------------- the device-built sequence-level plan
+class DeviceSeqPlan(NamedTuple):
+    """A sequence-ratio loss (gspo, gspo_token, gmpo in closed form, :mod:`rlkernel.rl.seq_token_loss`)
+    over a padded ``[S, T]`` batch whose counts, masked ids and id check the kernels compute
+    themselves (``rlkernel.kernels.seq_plan``): three launches forward, no plan built with torch ops.
+
+    Attributes:
+        tokens: the policy-free :class:`DevicePlan` of the batch (its ``scalars`` are those of
+            ``plan_from_batch(..., policy_term=False)``: the KL and entropy terms and the
+            aggregation; ``old``/``adv`` are the call's own, read by the sequence kernel).
+        kind: ``"gspo"``, ``"gspo_token"`` or ``"gmpo"``.
+        geo_mean: the sequence ratio is the geometric mean of the token ratios (else their product).
+        clip_lo, clip_hi: the ratio clip interval; eps_low, eps_high: gmpo's log-ratio caps;
+        log_ratio_max: gspo's clamp of log s.
+    """
+
+    tokens: DevicePlan
+    kind: str
+    geo_mean: bool
+    clip_lo: float
+    clip_hi: float
+    eps_low: float
+    eps_high: float
+    log_ratio_max: float
+
+    @property
+    def want_entropy(self) -> bool:
+        return self.tokens.scalars.want_entropy
+
+    @property
+    def check_ids(self) -> bool:
+        return self.tokens.check_ids
+
+    @property
+    def ignore_index(self) -> int:
+        return self.tokens.ignore_index
+
+    def kernel_inputs(
+        self, counts: torch.Tensor, factor: torch.Tensor, zero_adv: torch.Tensor, absent: torch.Tensor
+    ) -> TokenLossKernelInputs:
+        """The policy-free token terms' pointers: ``zero_adv`` (fp32 ``[S]`` zeros, written by the
+        rows kernel) is the advantage of the policy-free plan's ``reinforce`` term (0: no term)."""
+        p = self.tokens
+        denom = counts if p.count != COUNT_NONE else p.denom
+        return TokenLossKernelInputs(
+            old=absent,
+            adv=zero_adv,
+            ref=p.ref if p.ref is not None else absent,
+            rollout_w=absent,
+            factor=factor if p.factor_per_seq else absent,
+            denom=denom if denom is not None else absent,
+        )
+
+    def kernel_branches(self) -> TokenLossBranches:
+        """The branches of the policy-free plan that ``plan_from_batch(..., policy_term=False)``
+        gives for the same batch (no old, per-sequence zero advantages); memoized."""
+        p = self.tokens
+        has_denom = p.count != COUNT_NONE or p.denom is not None
+        key = ("seq", p.scalars, p.factor_per_seq, has_denom)
+        return memoized(_BRANCHES, key, lambda: _branches(
+            p.scalars, False, False, p.factor_per_seq, has_denom, True, p.factor_per_seq,
+        ))  # fmt: skip

@@ -325,22 +325,22 @@ def test_sequence_level_fused_path_equals_composition(name, aggregation, packed)
 
 @interpreter_quiet
 @pytest.mark.parametrize(
-    ("name", "extra", "path"),
+    ("name", "extra", "path", "plan"),
     [
-        ("gspo", {}, "sequence"),
-        ("gspo_token", {"rollout_correction": "seq_tis"}, "sequence"),
-        ("gmpo", {"entropy_coef": 0.05}, "sequence"),
-        ("gmpo", {"rollout_correction": "token_tis"}, "autograd"),  # folded per sequence
-        ("gspo", {"kl_ratio_weighted": True}, "autograd"),
+        ("gspo", {}, "sequence", "device"),  # padded, no rollout correction: the plan on the device
+        ("gspo_token", {"rollout_correction": "seq_tis"}, "sequence", "host"),
+        ("gmpo", {"entropy_coef": 0.05}, "sequence", "host"),  # packed
+        ("gmpo", {"rollout_correction": "token_tis"}, "autograd", None),  # folded per sequence
+        ("gspo", {"kl_ratio_weighted": True}, "autograd", None),
     ],
 )
-def test_sequence_level_closed_form_or_autograd_coefficients(name, extra, path):
+def test_sequence_level_closed_form_or_autograd_coefficients(name, extra, path, plan):
     """gspo, gspo_token and gmpo take the closed-form coefficients (rl.seq_token_loss) unless a
     setting needs the autograd algebra; both equal the composed path."""
     cfg = config(name, kl_coef=0.1, **extra)
     p = _on_device(_problem(seed=31 + len(name), packed=path == "sequence" and name == "gmpo"))
     fused, composed, g_fused, g_composed = _triton_vs_reference(cfg, p)
-    assert fused.route == Route("logits", path, "triton", passes=3)
+    assert fused.route == Route("logits", path, "triton", passes=3, plan=plan)
     torch.testing.assert_close(fused.loss, composed.loss, **F32_TOL)
     torch.testing.assert_close(g_fused, g_composed, **F32_TOL)
     for key in composed.metrics:

@@ -118,6 +118,10 @@ def _seq_token_loss_kernel(
     eps_high,
     log_ratio_max,
     scalars,  # TokenLossKernelScalars of the policy-free plan
+    # FINISH only (the device-built plan, ``kernels.seq_plan``)
+    loss_out_ptr,  # fp32 [1]: Σ partial, written by the last program to finish
+    counts_ptr,  # int64 [4]: counts[1] finished programs (0 before); counts[2:4] the id check's
+    host_ptr,  # int64 [2] pinned host memory (HOST_COPY): counts[2:4]
     # meta
     KIND: tl.constexpr,
     GEO_MEAN: tl.constexpr,
@@ -126,6 +130,9 @@ def _seq_token_loss_kernel(
     PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
     BRANCH: tl.constexpr,  # TokenLossBranches of the policy-free plan
+    FINISH: tl.constexpr = False,
+    HOST_COPY: tl.constexpr = False,
+    SUM_BLOCK: tl.constexpr = 1024,
 ):
     i = tl.program_id(0).to(tl.int64)
     if PACKED:
@@ -210,6 +217,20 @@ def _seq_token_loss_kernel(
                 tl.store(g_entropy_ptr + offs, tl.where(act, t_h, 0.0), mask=inside)
         tl.store(g_logp_ptr + offs, g, mask=inside)
     tl.store(partial_ptr + i, loss_seq + pairwise_sum(acc))
+    if FINISH:
+        # The loss without a reduction launch: the last program to finish (integer atomic, acquire-
+        # release at GPU scope: every other program's partial is visible to it) sums the partials
+        # in a fixed order, whichever program that is (deterministic), as kernels.token_loss_rows.
+        n_seqs = tl.num_programs(0)
+        if tl.atomic_add(counts_ptr + 1, 1) == n_seqs - 1:
+            total = tl.zeros([SUM_BLOCK], dtype=tl.float32)
+            for k in range(0, n_seqs, SUM_BLOCK):
+                offs = k + tl.arange(0, SUM_BLOCK)
+                total += tl.load(partial_ptr + offs, mask=offs < n_seqs, other=0.0, cache_modifier=".cg")
+            tl.store(loss_out_ptr, pairwise_sum(total))
+            if HOST_COPY:  # the id check's two numbers straight into pinned host memory: no copy launch
+                tl.store(host_ptr, tl.load(counts_ptr + 2, cache_modifier=".cg"))
+                tl.store(host_ptr + 1, tl.load(counts_ptr + 3, cache_modifier=".cg"))
 
 
 def seq_token_loss_fwd(
@@ -265,6 +286,9 @@ def seq_token_loss_fwd(
             float(eps_high),
             float(log_ratio_max),
             plan.scalars.kernel_args(),
+            partial,  # loss_out, counts, host: not read without FINISH
+            partial,
+            partial,
             KIND=SEQ_KINDS[kind],
             GEO_MEAN=bool(geo_mean),
             HAS_OLD=old is not None,

@@ -72,9 +72,10 @@ class Route:
             gradient written during the forward; 3: forward, then backward's read and write; 1:
             no gradient); from hidden states, the ``[N, V, H]`` GEMMs (3: the fused loss; 4: the
             primitive's backward recomputes the logits; 1: no gradient). None on the reference.
-        plan: a token-level loss's per-token constants: ``"device"`` (counts, masked ids and the id
-            check computed by the kernels themselves: the fewest host operations) or ``"host"``
-            (built with torch ops before the loss kernel); None for other objectives.
+        plan: a token-level or closed-form sequence-level loss's per-token constants: ``"device"``
+            (counts, masked ids and the id check computed by the kernels themselves: the fewest host
+            operations) or ``"host"`` (built with torch ops before the loss kernel); None for other
+            objectives.
         gemm: hidden states only, the logits GEMMs: ``"epilogue"`` (the Triton LM-head GEMM with
             the log-softmax statistics in its epilogue), ``"cublas"`` (cuBLAS chunks and the
             log-prob kernels) or ``"invariant"`` (the batch-invariant GEMM of ``invariant=True``).

@@ -22,9 +22,11 @@ maps each route to its builder; ``out.route`` says which ran; docs/api/routes.md
 * Every other objective from logits on the Triton backend with a gradient to compute: the same two
   log-prob kernels and, between them, the loss's per-token coefficients — for gspo, gspo_token and
   gmpo (``rl.seq_token_loss.is_eligible``, not under ``cp_group``) in closed form in ONE Triton
-  launch; for the rest (vespo, dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks,
-  gmpo with rollout weights) by the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd
-  inside the forward (``_logits_autograd``, ~100 small launches).
+  launch (a padded batch without rollout corrections: the plan built on the device as well,
+  ``ops.device_seq_plan``: mask counts + row kernel + sequence kernel); for the rest (vespo,
+  dppo, clip_cov, kl_cov, dro, ratio-weighted KL, OPSM/entropy masks, gmpo with rollout weights)
+  by the ``[B, T]`` algebra of ``policy_loss`` differentiated by autograd inside the forward
+  (``_logits_autograd``, ~100 small launches).
 * Token-level objectives from hidden states: the fused chunk engine (3 GEMMs with a gradient).
 * Everything else (the hidden path of other objectives, ``tp_group``, fp64, the reference backend,
   ``token_level_fusion=False``): the composed path. All give the same loss, gradients (to fp32
@@ -390,6 +392,19 @@ def _logits_token_compiled(route: Route, call: _Call) -> PolicyLossOutput:
     return _output(loss, logp, entropy if plan.want_entropy else None, call.batch)
 
 
+def _logits_sequence_device(route: Route, call: _Call) -> PolicyLossOutput:
+    """gspo, gspo_token, gmpo from logits with the plan built on the device (mask counts, one row
+    kernel, one sequence kernel; ``ops.device_seq_plan``); metrics stay lazy."""
+    from rlkernel.ops.device_seq_plan import seq_loss_device_plan
+
+    plan = seq_token_loss.device_seq_plan(call.batch, call.token_ids, check_ids=call.validate)
+    loss, logp, entropy = seq_loss_device_plan(
+        call.logits, plan, temperature=call.temperature, inplace_backward=call.inplace_backward
+    )
+    lead = call.batch.token_shape
+    return _output(loss, logp.view(lead), entropy.view(lead) if plan.want_entropy else None, call.batch)
+
+
 def _logits_sequence(route: Route, call: _Call) -> PolicyLossOutput:
     """gspo, gspo_token, gmpo from logits: the two log-prob kernels with the closed-form sequence
     coefficients of :mod:`rlkernel.rl.seq_token_loss` between them (a few dozen small launches, no
@@ -477,7 +492,8 @@ ROUTES = {
     ("logits", "token", "triton", "device"): _logits_token_device,
     ("logits", "token", "triton", "host"): _logits_token_host,
     ("logits", "token", "compiled", "host"): _logits_token_compiled,
-    ("logits", "sequence", "triton", None): _logits_sequence,
+    ("logits", "sequence", "triton", "device"): _logits_sequence_device,
+    ("logits", "sequence", "triton", "host"): _logits_sequence,
     ("logits", "autograd", "triton", None): _logits_autograd,
     ("hidden", "token", "triton", "host"): _hidden_token,
     **{(source, "composed", kernels, None): _composed

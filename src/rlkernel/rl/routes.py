@@ -14,8 +14,9 @@ builders. The rules, in order:
    (:func:`device_plan_supported`) or, for what that does not cover, on the host.
 3. From logits, any other objective on the Triton kernels, eagerly, with a gradient to compute and
    not float64: gspo / gspo_token / gmpo in closed form (``seq_token_loss.is_eligible``, not under
-   ``cp_group``), the rest by autograd inside the forward. (Without a gradient the composed path
-   is the same two launches.)
+   ``cp_group``; the plan built on the device where :func:`device_plan_supported`, else on the
+   host), the rest by autograd inside the forward. (Without a gradient the composed path is the
+   same two launches.)
 4. From hidden states, a token-level objective on the Triton kernels, eagerly, weight and hidden of
    one dtype, no ``tp_group``: the fused linear loss (3 GEMMs with a gradient).
 5. Everything else: the composed path on the kernels the primitive picks.
@@ -51,8 +52,8 @@ class RouteFacts:
         token_level: the objective has a token-level plan (``token_loss.is_eligible``).
         closed_form: the objective is gspo / gspo_token / gmpo in closed form
             (``seq_token_loss.is_eligible``).
-        device_plan: a token-level call whose per-token constants the kernels can build themselves
-            (:func:`device_plan_supported`).
+        device_plan: a token-level or closed-form call whose per-token constants the kernels can
+            build themselves (:func:`device_plan_supported`).
         inplace_backward: the logits' storage receives the gradient.
         vocab_parallel: a ``tp_group`` was given.
         dtypes_match: hidden and weight have one dtype (always True from logits).
@@ -114,7 +115,9 @@ def _logits_route(f: RouteFacts, options: Options) -> Route:
         passes = (2 if two else 3) if f.needs_grad else 1
         return Route("logits", "token", "triton", passes=passes, plan="device" if f.device_plan else "host")
     if options.token_level_fusion and triton and not f.compiling and f.needs_grad:
-        return Route("logits", "sequence" if f.closed_form else "autograd", "triton", passes=3)
+        if f.closed_form:
+            return Route("logits", "sequence", "triton", passes=3, plan="device" if f.device_plan else "host")
+        return Route("logits", "autograd", "triton", passes=3)
     kernels: Kernels = "compiled" if (triton and f.compiling) else f.kernels
     passes = None if kernels == "reference" else (3 if f.needs_grad else 1)
     return Route("logits", "composed", kernels, passes=passes)
@@ -169,7 +172,9 @@ def route_facts(
             vocab=vocab,
             token_level=token_level,
             closed_form=closed_form,
-            device_plan=token_level and device_plan_supported(batch) and token_ids.is_contiguous(),
+            device_plan=(token_level or closed_form)
+            and device_plan_supported(batch)
+            and token_ids.is_contiguous(),
             inplace_backward=inplace_backward,
         )
     kernels = _dispatch.resolve_backend(hidden.device, has_kernel=hidden.dtype in KERNEL_DTYPES)

@@ -5,7 +5,11 @@ The fused logits path (:mod:`rlkernel.rl.fused`) runs a log-prob kernel, then a 
 per-token statistics to the loss and its coefficients, then one backward kernel. For these loss
 types that function is written out here (a few dozen torch ops on ``[S, L]``) instead of running the
 ``policy_loss`` algebra under autograd (~100 launches forward and backward, 3–5 ms of host time per
-call at N = 8192 on an H100). Notation as :mod:`rlkernel.rl.objectives`; per token t of sequence i,
+call at N = 8192 on an H100). From a padded batch without rollout corrections (the route
+``logits/sequence/device``) even the plan is built on the device: :func:`device_seq_plan` gives the
+kernels the batch's tensors as they are, and mask counts, a row kernel (masked ids, id check, log-prob
+statistics) and the sequence kernel do the rest (``rlkernel.kernels.seq_plan``; no torch op, no host
+sync). Notation as :mod:`rlkernel.rl.objectives`; per token t of sequence i,
 m_t the active mask after rollout rejection, n_i = Σ_t m_t, w_t the aggregation weight
 (factor_t / D, as the token-level plan's) and ρ_t the detached rollout weight (1 without one):
 
@@ -44,6 +48,8 @@ import math
 import torch
 
 from rlkernel import _dispatch
+from rlkernel._memo import memoized
+from rlkernel._token_loss_plan import DeviceSeqPlan
 from rlkernel.ops.seq_token_loss import seq_token_loss_triton
 from rlkernel.ops.token_loss import TokenLossTerms, token_loss
 from rlkernel.rl import objectives
@@ -61,6 +67,37 @@ def is_eligible(cfg: PolicyLossConfig, *, on_policy: bool, has_rollout_weights: 
     if cfg.loss_type not in SEQ_LOSS_TYPES or not token_plans.token_local_rest(cfg, on_policy=on_policy):
         return False
     return not (cfg.loss_type == "gmpo" and (cfg.rollout_correction is not None or has_rollout_weights))
+
+
+_SEQ_CONSTANTS: dict[PolicyLossConfig, tuple] = {}
+
+
+def _seq_constants(cfg: PolicyLossConfig) -> tuple:
+    """``(kind, geo_mean, clip_lo, clip_hi, eps_low, eps_high, log_ratio_max)`` of ``cfg`` for the
+    sequence kernel (memoized: a function of the frozen config, asked for on every call)."""
+
+    def make() -> tuple:
+        geo_mean = objectives.seq_ratio_convention(cfg) == "geo_mean"
+        return (cfg.loss_type, geo_mean, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high, cfg.clip_low, cfg.clip_high,
+                objectives.GSPO_LOG_RATIO_MAX)  # fmt: skip
+
+    return memoized(_SEQ_CONSTANTS, cfg, make)
+
+
+def device_seq_plan(batch: LossBatch, token_ids: torch.Tensor, *, check_ids: bool) -> DeviceSeqPlan:
+    """The :class:`DeviceSeqPlan` of an eligible call (:func:`is_eligible`) whose counts, masked ids
+    and id check the kernels compute (``rlkernel.rl.routes.device_plan_supported``: padded
+    ``[S, T]``, no rollout correction, rejection or given weights, contiguous per-token tensors):
+    the policy-free token-level plan's scalars and aggregation (``token_loss.device_plan_from_batch
+    (..., policy_term=False)``) and the sequence kernel's constants. Nothing is launched.
+
+    Args:
+        batch: from :func:`rlkernel.rl.batch.validate_batch`.
+        token_ids: the call's int ``[S, T]`` ids as given (contiguous; masked by the kernels).
+        check_ids: the kernels count the active ids outside ``[0, V)`` (``validate=True``).
+    """
+    tokens = token_plans.device_plan_from_batch(batch, token_ids, check_ids=check_ids, policy_term=False)
+    return DeviceSeqPlan(tokens, *_seq_constants(batch.cfg))
 
 
 def _surrogate(

@@ -371,7 +371,9 @@ def _make_scalars(
     )
 
 
-def device_plan_from_batch(batch: LossBatch, token_ids: torch.Tensor, *, check_ids: bool) -> DevicePlan:
+def device_plan_from_batch(
+    batch: LossBatch, token_ids: torch.Tensor, *, check_ids: bool, policy_term: bool = True
+) -> DevicePlan:
     """The :class:`DevicePlan` of a checked call whose route builds its constants on the device
     (``rlkernel.rl.routes.device_plan_supported``: padded ``[S, T]``, no rollout correction,
     rejection or given weights, contiguous per-token tensors): the same scalars, aggregation and
@@ -381,6 +383,9 @@ def device_plan_from_batch(batch: LossBatch, token_ids: torch.Tensor, *, check_i
         batch: from :func:`rlkernel.rl.batch.validate_batch`, of an eligible config.
         token_ids: the call's int ``[S, T]`` ids as given (contiguous; masked by the kernels).
         check_ids: the kernels count the active ids outside ``[0, V)`` (``validate=True``).
+        policy_term: False: the scalars of ``plan_from_batch(..., policy_term=False)`` (no policy
+            term: the sequence-ratio kernels add their own, :mod:`rlkernel.rl.seq_token_loss`);
+            ``old``/``adv`` stay the call's, for that caller.
     """
     cfg, seg, device = batch.cfg, batch.segments, batch.device
     g_tokens, g_seqs = batch.global_tokens, batch.global_seqs
@@ -405,7 +410,7 @@ def device_plan_from_batch(batch: LossBatch, token_ids: torch.Tensor, *, check_i
         batch.old_logp,
         batch.advantages,
         batch.ref_logp if cfg.kl_coef > 0 else None,
-        _scalars(cfg, norm_mult, floor),
+        _scalars(cfg, norm_mult, floor, policy_term),
         max(seg.max_len, 1),
         seg.n_seqs,
         batch.advantages_per_seq,

@@ -1,0 +1,77 @@
+"""The sequence-ratio loss from logits with its plan built on the device: three launches forward.
+
+:class:`DeviceSeqPlanLossFunction` runs a :class:`rlkernel._token_loss_plan.DeviceSeqPlan` (gspo,
+gspo_token or gmpo in closed form over a padded ``[S, T]`` batch) through
+:func:`rlkernel.kernels.seq_plan.seq_plan_forward` (mask counts; one program per row: masked id, id
+check, log-prob statistics; one program per sequence: the closed form's coefficients and loss), and
+its backward is the token-level device plan's (:class:`rlkernel.ops.device_plan_loss.
+DevicePlanLossFunction`: one gradient launch, over the base's rows for a row window of a model
+output). The id check is deferred as there: the last sequence program writes its result into
+pinned host memory (CUDA), or it is read at once (the CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlkernel.kernels import logprobs as kernels
+from rlkernel.kernels.seq_plan import seq_plan_forward
+from rlkernel.ops._logprobs_function import _base_and_window
+from rlkernel.ops.device_plan_loss import DevicePlanLossFunction, _addressed, _defer_id_check, _host_slot
+
+
+class DeviceSeqPlanLossFunction(DevicePlanLossFunction):
+    """Three passes over the logits: forward = mask counts + the rows kernel + the sequence kernel;
+    backward = :class:`DevicePlanLossFunction`'s (the same saved tensors)."""
+
+    @staticmethod
+    def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
+        x, layout = _addressed(logits if window is None else window.of(logits))
+        host = _host_slot(plan, x)
+        loss, logp, entropy, lse, g_logp, g_entropy, ids, counts = seq_plan_forward(
+            x, plan, temperature=temperature, row_layout=layout, host=host
+        )
+        _defer_id_check(plan, counts, host, x, what)
+        want_entropy = plan.want_entropy
+        # A row window of the base: the backward runs over the base's rows (inputs flat, as made).
+        ctx.rows = None if window is None else window.rows(logits.shape)
+        ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
+        ctx.overwritten = False
+        ctx.window = window
+        saved = x if window is None else logits
+        ctx.save_for_backward(
+            saved.detach() if ctx.inplace_backward else saved,
+            ids if ctx.rows is not None else ids.view(x.shape[:-1]),
+            lse,
+            g_logp,
+            entropy if want_entropy else None,
+            g_entropy if want_entropy else None,
+        )
+        ctx.temperature = temperature
+        ctx.ignore_index = plan.ignore_index
+        ctx.mark_non_differentiable(logp, entropy)
+        ctx.set_materialize_grads(False)
+        return loss.view(()), logp, entropy
+
+
+def seq_loss_device_plan(
+    logits: torch.Tensor,
+    plan,
+    *,
+    temperature: float,
+    inplace_backward: bool,
+    what: str = "token_ids (at active mask positions)",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, logp, entropy)`` of a device-built sequence-ratio loss (``plan``: a
+    :class:`rlkernel._token_loss_plan.DeviceSeqPlan` of the logits' ``[S, T]`` tokens); ``logp`` and
+    ``entropy`` fp32 ``[S·T]`` (``entropy`` empty without an entropy term), not differentiable.
+
+    Args:
+        logits: ``[S, T, V]`` (any layout the kernels read; a window of a base that requires grad
+            gives the base's gradient directly, as ``token_logprobs`` does).
+        inplace_backward: the backward writes the gradient into the logits' storage.
+        what: the argument the deferred id check's error names.
+    """
+    base, window = _base_and_window(logits)
+    inplace = bool(inplace_backward)
+    return DeviceSeqPlanLossFunction.apply(base, plan, float(temperature), inplace, window, what)
