@@ -25,8 +25,8 @@ would give NaN in that entry's columns only). The other blocks run the plain bod
 
 Caveats:
     * Keys before ``key_start`` get exact zeros (the gradients are allocated zeroed).
-    * delta is computed by a torch reduction (fp32 upcast copy of dO·O: 4 bytes per element of O,
-      transient).
+    * delta (rowsum(dO·O), fp32 [Hq, total query rows]) is computed by the dQ kernel, which runs
+      first, and read by the dK/dV kernel: 4 bytes per (row, q head).
 """
 
 from __future__ import annotations
@@ -116,9 +116,12 @@ def _dkdv_block(
     INPUT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     DIAGONAL: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """The contribution of queries [m0, m0 + BM) of q head ``hq`` to a key block's (dK, dV).
-    DIAGONAL: some of those queries do not see some of the keys (see the module header)."""
+    DIAGONAL: some of those queries do not see some of the keys (see the module header). MASKED:
+    the causal/range ``where`` on P; off only for a plain block whose queries are all below len_q
+    (every pair visible: the ``where`` would keep every value)."""
     qi = m0 + tl.arange(0, BLOCK_M)
     q_ok = qi < len_q
     ld = q_ok[:, None] & mask_d[None, :]
@@ -130,8 +133,10 @@ def _dkdv_block(
     lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
     delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
     s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
-    visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
-    p_t = tl.where(visible, tl.math.exp2(s_t * scale - lse[None, :]), 0.0)
+    p_t = tl.math.exp2(s_t * scale - lse[None, :])
+    if MASKED or DIAGONAL:
+        visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
+        p_t = tl.where(visible, p_t, 0.0)
     if DIAGONAL:
         p_t = tl.where(visible & (q_bad | do_bad)[None, :], float("nan"), p_t)
     dv = dot(p_t.to(do_base.dtype.element_ty), do, dv, INPUT_PRECISION, INTERPRETED)
@@ -224,19 +229,27 @@ def _attn_bwd_dkdv_kernel(
         # Query blocks from qi_mid on see every key of this block (the last key is below len_k).
         qi_full = tl.minimum(start + BLOCK_N, len_k) - 1 - offset
         qi_mid = qi_lo + tl.cdiv(tl.maximum(qi_full - qi_lo, 0), BLOCK_M) * BLOCK_M
+        # Blocks from qi_mid to qi_whole also lie below len_q whole: no mask at all.
+        qi_whole = tl.maximum(qi_mid + tl.maximum(len_q - qi_mid, 0) // BLOCK_M * BLOCK_M, qi_mid)
         for g in range(0, group):
             hq = hk * group + g
             for m0 in range(qi_lo, tl.minimum(qi_mid, len_q), BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
-                    BLOCK_M, INPUT_PRECISION, INTERPRETED, True,
+                    BLOCK_M, INPUT_PRECISION, INTERPRETED, True, True,
                 )  # fmt: skip
-            for m0 in range(qi_mid, len_q, BLOCK_M):
+            for m0 in range(qi_mid, qi_whole, BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
-                    BLOCK_M, INPUT_PRECISION, INTERPRETED, False,
+                    BLOCK_M, INPUT_PRECISION, INTERPRETED, False, False,
+                )  # fmt: skip
+            for m0 in range(qi_whole, len_q, BLOCK_M):  # the last query block, partly past len_q
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
+                    offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
+                    BLOCK_M, INPUT_PRECISION, INTERPRETED, False, True,
                 )  # fmt: skip
         dk = dk * sm_scale
         dk_base = dk_ptr + b * stride_dkb + k_tok0 * stride_dkt + hk * stride_dkh
@@ -273,7 +286,9 @@ def _dq_block(
     DIAGONAL: tl.constexpr,
 ):
     """The contribution of key block [start, start + BN) to a query block's dQ. DIAGONAL: some of
-    the queries do not see some of the keys (see the module header)."""
+    the queries do not see some of the keys (see the module header). A plain block's keys are all
+    seen by every query row of the block, so P takes no ``where`` there; the block's rows past
+    len_q (q = 0, lse = +inf) are never stored, and a row's dQ depends on no other row."""
     keys = start + tl.arange(0, BLOCK_N)
     kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
     k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
@@ -281,9 +296,10 @@ def _dq_block(
     if DIAGONAL:  # one copy, finite; the pairs that see a bad key get NaN P below
         k, k_bad = _non_finite(k)
     s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
-    visible = (keys[None, :] <= qpos[:, None]) & q_ok[:, None]
-    p = tl.where(visible, tl.math.exp2(s * scale - lse[:, None]), 0.0)
+    p = tl.math.exp2(s * scale - lse[:, None])
     if DIAGONAL:
+        visible = (keys[None, :] <= qpos[:, None]) & q_ok[:, None]
+        p = tl.where(visible, p, 0.0)
         p = tl.where(visible & k_bad[None, :], float("nan"), p)
     dp = dot(do, tl.trans(v), None, INPUT_PRECISION, INTERPRETED)
     ds = p * (dp - delta[:, None])
@@ -299,6 +315,10 @@ def _attn_bwd_dq_kernel(
     stride_dqb,
     stride_dqt,
     stride_dqh,
+    o_ptr,  # the forward's output, read for delta (written to delta_ptr for the dK/dV kernel)
+    stride_ob,
+    stride_ot,
+    stride_oh,
     # inputs
     q_ptr,
     stride_qb,
@@ -340,7 +360,9 @@ def _attn_bwd_dq_kernel(
     INPUT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """dQ of one query block of one q head: Σ over its visible key blocks, in order. Programs are
+    """dQ of one query block of one q head: Σ over its visible key blocks, in order; and its rows'
+    delta = rowsum(dO·O) (fp32, summed by ``tl.sum``), stored for the dK/dV kernel launched next,
+    which reads it, so that dO and O are read once for it (no fp32 copies). Programs are
     numbered last query block first: the causal work grows with the block, so the longest start
     first and the short ones fill the tail."""
     pid_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -364,7 +386,10 @@ def _attn_bwd_dq_kernel(
         q = tl.load(q_base + qi[:, None] * stride_qt + offs_d[None, :], mask=ld, other=0.0)
         do = tl.load(do_base + qi[:, None] * stride_dot + offs_d[None, :], mask=ld, other=0.0)
         lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
-        delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
+        o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot + hq * stride_oh
+        o = tl.load(o_base + qi[:, None] * stride_ot + offs_d[None, :], mask=ld, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO·O), fp32
+        tl.store(delta_ptr + hq * total_q + q_row0 + qi, delta, mask=q_ok)
         qpos = len_k - len_q + qi
         key_end = len_k - len_q + tl.minimum(m0 + BLOCK_M, len_q)
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
@@ -418,9 +443,10 @@ def attention_bwd(
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     if n_seq == 0 or seqlen_q == 0 or total_q == 0:
         return dq, dk, dv
-    # delta = rowsum(dO·O) in fp32, laid out like the LSE: [Hq, total query rows]. A torch
-    # reduction over the last dim is deterministic (no atomics).
-    delta = (do.float() * out.float()).sum(-1).reshape(total_q, hq).t().contiguous()
+    # delta = rowsum(dO·O) in fp32, laid out like the LSE: [Hq, total query rows]; written by the
+    # dQ kernel (every row of every sequence), read by the dK/dV kernel after it.
+    out = _unit_last(out)
+    delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     cfg = config or bwd_config(d, q.dtype)
     max_len_k = seqlen_k
     if packed:
@@ -457,6 +483,12 @@ def attention_bwd(
         scale,
     )
     with _device_guard(q):
+        t = cfg.dq  # first: it writes delta
+        grid = (triton.cdiv(seqlen_q, t.block_m), n_seq * hq)
+        _attn_bwd_dq_kernel[grid](
+            dq, *_strides4(dq, packed), out, *_strides4(out, packed), *tail,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+        )  # fmt: skip
         if max_len_k > 0:
             t = cfg.dkdv
             grid = (triton.cdiv(max_len_k, t.block_n), n_seq * hkv)
@@ -464,10 +496,4 @@ def attention_bwd(
                 dk, *_strides4(dk, packed), dv, *_strides4(dv, packed), *tail,
                 BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
             )  # fmt: skip
-        t = cfg.dq
-        grid = (triton.cdiv(seqlen_q, t.block_m), n_seq * hq)
-        _attn_bwd_dq_kernel[grid](
-            dq, *_strides4(dq, packed), *tail,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
-        )  # fmt: skip
     return dq, dk, dv
