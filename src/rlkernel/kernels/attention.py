@@ -68,12 +68,10 @@ FLOPs 2·2·B·Hq·T²·D/2. Decode reads the whole K/V cache once per (sequence
 spreads it over ⌈T/S⌉ programs per (sequence, kv head) and adds fp32 partials of (D + 2)·4 bytes per
 (row, split), written once and read once by the combine.
 
-The 2026-11-21 split-KV attempt (benchmarks/NOTES.md) failed the H100 "HF adapter decode vs
-prefill" check in a run whose prefill tile was 128 rows / 8 warps (now 64 / 4) and gained little
-at cache 4096 (S = 1024: 4 splits). This version fixes what the issue-25 rule asks: splits at
-fixed absolute positions, the merge in one helper for both kernels, exact factors for the first and
-the empty splits; its bitwise claims rest on ``tests/gpu/test_attention_long.py`` (32k tokens, split
-edges, both decode paths) and ``tests/gpu/test_attention.py`` passing on the target GPU.
+The split-decode combine and the split policy live in ``rlkernel.kernels.attention_split``; the
+helpers the three kernel modules share in ``rlkernel.kernels._attention_common``. The bitwise claims
+rest on ``tests/gpu/test_attention_long.py`` (32k tokens, split edges, both decode paths) and
+``tests/gpu/test_attention.py`` passing on the target GPU.
 
 Provenance: FlashAttention-2 (Dao 2023), the Triton fused-attention tutorial and flash-decoding
 (split-KV), written anew here with the key-block anchoring, the single masked loop, the fixed
@@ -96,10 +94,10 @@ Caveats:
       the merge behind a branch was tried and rejected: reading the accumulator in the branch
       made ptxas serialize every wgmma of the kernel (C7514), and with the merge moved after the
       next QK product it put spill reloads in the loop body (+38 instructions per block).
-    * Split-decode runs when some row spans two splits or more and the one-pass grid is smaller
-      than the SM count (``"auto"``): B = 1, Hkv = 8, cache 32k: 16 splits × 8 = 128 programs of 32
-      blocks instead of 8 programs of 512. Its partials cost ⌈T/S⌉·rows·(D + 2)·4 bytes (B = 1,
-      Hq = 32, D = 128, 32k: 266 KB).
+    * The forward runs one warpgroup per program (64 rows, 4 warps, 3 stages): 255 registers with a
+      ~400-byte stack per thread on sm_90, two programs per SM. H100 (2026-11-28): 0.65-0.72x
+      SDPA's speed at T >= 8192 (benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log): softmax
+      and MMAs do not overlap (no warp specialization) — what stands between it and SDPA.
     * FP contraction is off in the forward kernels: c·(q·k) − m is a multiply and a subtract
       rather than one fma (slightly more ALU work per score; the MMAs and exp2 dominate).
     * fp32 inputs use IEEE fp32 dots (no tf32): accuracy over speed for the fp32 path.
@@ -107,171 +105,43 @@ Caveats:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from rlkernel._dispatch import interpreter_enabled
+from rlkernel.kernels._attention_common import (
+    LOG2E,
+    _block_d,
+    _common,
+    _finish,
+    _fresh,
+    _merge,
+    _non_finite,
+    _precision,
+    _seq_bounds,
+    _store_rows,
+    _strides4,
+    _tile_rows,
+    _unit_last,
+)
 from rlkernel.kernels._dot import dot, interpreted
-from rlkernel.kernels._launch import FastLauncher, num_sms
+from rlkernel.kernels._launch import FastLauncher
 from rlkernel.kernels._launch import cdiv as _cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
-from rlkernel.kernels._reduce import is_nonfinite
-
-# Whether the kernels below run in the CPU interpreter: fixed when they are decorated (Triton reads
-# TRITON_INTERPRET then), so read once here rather than from the environment on every launch.
-_INTERPRET = interpreter_enabled()
-
-LOG2E = 1.4426950408889634
-
-
-@dataclasses.dataclass(frozen=True)
-class FwdConfig:
-    """Forward launch configuration. It sets the order of every sum of a row, so it must depend on
-    (head_dim, dtype) only, never on the batch, the sequence lengths or the number of queries."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-@functools.lru_cache(maxsize=64)
-def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def fwd_config(head_dim: int, dtype: torch.dtype) -> FwdConfig:
-    """The one forward configuration for (head_dim, dtype). BLOCK_N = 64 matches the reference's
-    key blocks. Chosen for the H100 (D ≤ 128, 16-bit: BLOCK_M = 64 at 4 warps, measured fastest and
-    bitwise equal to 128 at 8 warps; fp16 has no decode tiles, so any fixed tile is invariant)."""
-    return _fwd_config(_block_d(head_dim), dtype, _INTERPRET)
-
-
-@functools.lru_cache(maxsize=64)
-def _fwd_config(d: int, dtype: torch.dtype, interpret: bool) -> FwdConfig:
-    # Cached: a pure function of its arguments (saves host time per call).
-    if interpret:  # the CPU interpreter: small tiles run faster; still fixed per mode
-        return FwdConfig(16, 16, 1, 1)
-    if dtype == torch.float32:
-        return FwdConfig(64, 32 if d > 64 else 64, 4, 2)
-    if d <= 64:
-        return FwdConfig(128, 64, 4, 3)
-    if d <= 128:
-        # BM = 64 / 4 warps: bitwise equal to the former BM = 128 / 8 warps on an H100 (bf16) and
-        # 0.864 vs 1.080 ms at B=8 T=2048 (SDPA 0.927), gpu_check_attention_h100_2026-11-21_final.log.
-        return FwdConfig(64, 64, 4, 3)
-    return FwdConfig(64, 32, 4, 2)
-
-
-# Decode-only tiles: (block_d, dtype) -> (block_m, num_warps) for calls whose rows fit one such tile
-# (seqlen_q·G ≤ block_m). EMPTY on purpose. (128, bf16) -> (16, 4) passed the short "decode BLOCK_M
-# alternatives" comparison on an H100 but FAILED the full check on 2026-11-21 ("decode tile ==
-# prefill tile": lse and outputs differ at positions 63, 64, 750, 1498, 1499;
-# gpu_check_attention_h100_2026-11-21_decode_tile.log): with BLOCK_M = 16 the dots lower to mma.sync
-# instead of the wgmma of the >= 64-row prefill tile, and the two accumulate differently for some
-# inputs. A tile is allowed here only if the full check passes on the target GPU.
-DECODE_TILES: dict[tuple[int, torch.dtype], tuple[int, int]] = {}
-
-
-def launch_config(head_dim: int, dtype: torch.dtype, rows_per_seq: int) -> FwdConfig:
-    """``fwd_config``, or a verified decode tile (``DECODE_TILES``) when every sequence's rows fit it."""
-    cfg = fwd_config(head_dim, dtype)
-    tile = DECODE_TILES.get((_block_d(head_dim), dtype))
-    if tile is not None and rows_per_seq <= tile[0]:
-        return FwdConfig(tile[0], cfg.block_n, tile[1], cfg.num_stages)
-    return cfg
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
-def _strides4(t: torch.Tensor, packed: bool) -> tuple[int, int, int]:
-    """(batch, token, head) strides; the packed form [N, H, D] has batch stride 0."""
-    st = t.stride()  # one call (each .stride(i) is a separate call into C++)
-    return (0, st[0], st[1]) if packed else (st[0], st[1], st[2])
-
-
-# ------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _seq_bounds(
-    b,
-    key_start_ptr,
-    cu_q_ptr,
-    cu_k_ptr,
-    seqlen_q,
-    seqlen_k,
-    HAS_KEY_START: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-):
-    """(q_row0, q_tok0, len_q, k_tok0, len_k, key_start, key_start_ok) of sequence ``b``: its first
-    row in the flat [total query rows] space of the LSE/delta, its first query and key token in the
-    packed tensors (0 for the padded form, addressed through the batch stride instead), its lengths,
-    its first valid key clamped to [0, len_k] (so that no key outside the sequence is ever read, even
-    for a ``key_start`` the caller did not validate) and whether it was in range unclamped."""
-    if IS_VARLEN:
-        q_tok0 = tl.load(cu_q_ptr + b).to(tl.int64)
-        len_q = (tl.load(cu_q_ptr + b + 1) - q_tok0).to(tl.int32)
-        k_tok0 = tl.load(cu_k_ptr + b).to(tl.int64)
-        len_k = (tl.load(cu_k_ptr + b + 1) - k_tok0).to(tl.int32)
-        q_row0 = q_tok0
-        ks = 0
-        ks_ok = True
-    else:
-        q_row0 = b * seqlen_q
-        q_tok0 = b * 0
-        k_tok0 = b * 0
-        len_q = seqlen_q
-        len_k = seqlen_k
-        if HAS_KEY_START:
-            ks_given = tl.load(key_start_ptr + b).to(tl.int64)
-            ks_ok = (ks_given >= 0) & (ks_given <= len_k)
-            ks = tl.minimum(tl.maximum(ks_given, 0), len_k).to(tl.int32)
-        else:
-            ks = 0
-            ks_ok = True
-    return q_row0, q_tok0, len_q, k_tok0, len_k, ks, ks_ok
-
-
-@triton.jit
-def _non_finite(x):
-    """``(x with its NaN/±Inf entries read as 0, [rows] flag: the row had one)``. Finite entries keep
-    their bits."""
-    bad = is_nonfinite(x)
-    return tl.where(bad, tl.zeros_like(x), x), tl.max(bad.to(tl.int32), 1) > 0
-
-
-@triton.jit
-def _merge(m_run, l_run, acc_run, m_s, l_s, acc_s):
-    """Merge one split's state (m, l, acc) into the running total: the one merge of the prefill
-    (``_attend_splits``) and of the split-decode combine (``_attn_combine_kernel``), so that a row
-    takes the same sums in the same order whichever kernel computes it (both launched without FP
-    contraction: every product and sum below rounds on its own in both).
-
-        m' = max(M, m);  μ = m' (0 if −inf);  a = 2^(M − μ);  b = 2^(m − μ)
-        L' = a·L + b·l;  A' = a·A + b·acc
-
-    Two cases take exact factors instead of 2^(…): a row that has merged nothing yet (L = 0: the
-    first split) gets (a, b) = (0, 1), so L' = l and A' = acc, and a row with at most SPLIT_N keys
-    keeps the one-level bits; a split that holds no key the row sees (l = 0: a prefill tile reaches
-    past a row's last split, a decode does not) gets (1, 0), an exact no-op. A NaN/Inf of such a
-    split's acc (a non-finite value of a key the row sees with score −inf) still reaches A' as
-    NaN (·0), as the one-level loop would carry it. A NaN l (a NaN score the row sees) is neither
-    case: it poisons L."""
-    m_new = tl.maximum(m_run, m_s)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: 2^(−inf) = 0
-    first = l_run == 0.0
-    empty = l_s == 0.0
-    alpha = tl.where(first, 0.0, tl.where(empty, 1.0, tl.math.exp2(m_run - m_use)))
-    beta = tl.where(first, 1.0, tl.where(empty, 0.0, tl.math.exp2(m_s - m_use)))
-    m_out = tl.where(first, m_s, tl.where(empty, m_run, m_new))
-    l_out = l_run * alpha + l_s * beta
-    acc_out = acc_run * alpha[:, None] + acc_s * beta[:, None]
-    return m_out, l_out, acc_out
+from rlkernel.kernels.attention_config import (  # noqa: F401 - re-exported
+    DECODE_TILES,
+    FwdConfig,
+    fwd_config,
+    launch_config,
+)
+from rlkernel.kernels.attention_split import (  # noqa: F401 - re-exported: the split policy's public names
+    MAX_SPLIT_KEYS,
+    SPLIT_DECODE_CHOICES,
+    _launch_combine,
+    check_split_keys,
+    split_keys,
+    use_split_decode,
+)
 
 
 @triton.jit
@@ -354,13 +224,6 @@ def _attend_range(
             scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, DIAGONAL,
         )  # fmt: skip
     return m_i, l_i, acc
-
-
-@triton.jit
-def _fresh(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The state before any key: m = −inf, l = 0, acc = 0."""
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    return m_i, tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
 
 
 @triton.jit
@@ -452,45 +315,6 @@ def _attend_splits(
         )  # fmt: skip
         m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
     return m_t, l_t, acc_t
-
-
-@triton.jit
-def _finish(m_i, l_i, acc):
-    """(out, lse2) of a final state: acc / l, m + log2 l; 0 and +inf for rows that see no key (l = 0;
-    a NaN l, from a NaN score the row sees, is not that: the row stays NaN). A row whose acc is not
-    finite in some column (a NaN/Inf value it sees) is NaN as a whole, wherever that value's block
-    fell (see the module header)."""
-    has_keys = l_i != 0.0
-    safe_l = tl.where(has_keys, l_i, 1.0)
-    out = tl.where(has_keys[:, None], acc / safe_l[:, None], 0.0)
-    seen_bad = tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32), 1) > 0
-    out = tl.where(seen_bad[:, None], float("nan"), out)
-    lse = tl.where(has_keys, m_i + tl.math.log2(safe_l), float("inf"))
-    return out, lse
-
-
-@triton.jit
-def _store_rows(
-    o_base, stride_ot, stride_oh, lse_ptr, total_q, flat, qi, hq, offs_d, mask_d, row_ok, out, lse
-):
-    """Store a tile's output rows (rounded to the output dtype) and their lse2."""
-    tl.store(
-        o_base + qi[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :],
-        out.to(o_base.dtype.element_ty),
-        mask=row_ok[:, None] & mask_d[None, :],
-    )
-    tl.store(lse_ptr + hq * total_q + flat, lse, mask=row_ok)
-
-
-@triton.jit
-def _tile_rows(row0, n_rows, len_q, len_k, hk, group, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The rows of a tile starting at row ``row0`` of a (sequence, kv head): ``(row_ok, qi, hq,
-    qpos, offs_d, mask_d)`` — row r is query r // G and q head hk·G + r % G, ``qpos`` the key
-    position of its query (bottom-right alignment: the last query sees the last key)."""
-    rows = row0 + tl.arange(0, BLOCK_M)
-    qi = rows // group
-    offs_d = tl.arange(0, BLOCK_D)
-    return rows < n_rows, qi, hk * group + rows % group, len_k - len_q + qi, offs_d, offs_d < head_dim
 
 
 @triton.jit
@@ -624,152 +448,8 @@ def _attn_fwd_kernel(
             )
 
 
-@triton.jit
-def _load_split(ml, acc_ptrs, s, n_split_row, row_ok, mask_d, split_ml, split_acc):
-    """Split ``s``'s stored state of the rows that see a key in it (the others read the empty state
-    −inf, 0, 0, which ``_merge`` leaves as a no-op)."""
-    ok = row_ok & (s < n_split_row)
-    m_s = tl.load(ml + s * split_ml, mask=ok, other=float("-inf"))
-    l_s = tl.load(ml + s * split_ml + split_ml // 2, mask=ok, other=0.0)
-    acc_s = tl.load(acc_ptrs + s * split_acc, mask=ok[:, None] & mask_d[None, :], other=0.0)
-    return m_s, l_s, acc_s
-
-
-@triton.jit
-def _attn_combine_kernel(
-    o_ptr,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    lse_ptr,
-    part_acc_ptr,
-    part_ml_ptr,
-    key_start_ptr,
-    cu_q_ptr,
-    cu_k_ptr,
-    seqlen_q,
-    seqlen_k,
-    n_kv_heads,
-    group,
-    head_dim,
-    total_q,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLIT_N: tl.constexpr,
-    HAS_KEY_START: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
-):
-    """Split-decode, second pass: each row merges its splits' stored states in split order with
-    ``_merge`` (the prefill loop's merge, from the same fresh state) and writes out and lse2 with
-    ``_finish``. A row merges the splits that hold a key it sees (those its partial tile wrote);
-    the prefill's later splits are empty for it, exact no-ops there. Its own row tiling (no dot
-    here: every operation is elementwise, so the tile shape does not change a bit)."""
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // n_kv_heads
-    hk = pid_bh % n_kv_heads
-    q_row0, q_tok0, len_q, k_tok0, len_k, ks, ks_ok = _seq_bounds(
-        b, key_start_ptr, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, HAS_KEY_START, IS_VARLEN
-    )
-    n_rows = len_q * group
-    row0 = pid_m * BLOCK_M
-    if row0 < n_rows:
-        row_ok, qi, hq, qpos, offs_d, mask_d = _tile_rows(
-            row0, n_rows, len_q, len_k, hk, group, head_dim, BLOCK_M, BLOCK_D
-        )
-        n_q_heads = n_kv_heads * group
-        flat = q_row0 + qi
-        # Splits of each row: those that start at or before its query's key position.
-        n_split_row = tl.where(row_ok & (qpos >= ks), (qpos - ks) // SPLIT_N + 1, 0)
-        n_split = tl.max(n_split_row, 0)
-        split_ml = 2 * n_q_heads * total_q  # one split's (m, l) block; l is its second half
-        split_acc = total_q * n_q_heads * head_dim
-        ml = part_ml_ptr + hq * total_q + flat
-        acc_ptrs = part_acc_ptr + ((flat * n_q_heads + hq) * head_dim)[:, None] + offs_d[None, :]
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        # Four splits' loads are issued before their four merges (in order): the merge chain waits
-        # on one load latency per four splits, not per split.
-        for s in range(0, n_split, 4):
-            m0, l0, a0 = _load_split(ml, acc_ptrs, s, n_split_row, row_ok, mask_d, split_ml, split_acc)
-            m1, l1, a1 = _load_split(ml, acc_ptrs, s + 1, n_split_row, row_ok, mask_d, split_ml, split_acc)
-            m2, l2, a2 = _load_split(ml, acc_ptrs, s + 2, n_split_row, row_ok, mask_d, split_ml, split_acc)
-            m3, l3, a3 = _load_split(ml, acc_ptrs, s + 3, n_split_row, row_ok, mask_d, split_ml, split_acc)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m0, l0, a0)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m1, l1, a1)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m2, l2, a2)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m3, l3, a3)
-        out, lse = _finish(m_i, l_i, acc)
-        if HAS_KEY_START:
-            out = tl.where(ks_ok, out, float("nan"))
-            lse = tl.where(ks_ok, lse, float("nan"))
-        o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot
-        _store_rows(
-            o_base, stride_ot, stride_oh, lse_ptr, total_q, flat, qi, hq, offs_d, mask_d, row_ok, out, lse
-        )
-
-
 # ------------------------------------------------------------------------------------ launchers
-def _common(q, k, key_start, cu_seqlens_q, max_seqlen_q):
-    packed = cu_seqlens_q is not None
-    n_q_heads, n_kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-    if packed:
-        n_seq = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k, total_q = int(max_seqlen_q), 0, q.shape[0]
-    else:
-        n_seq, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        total_q = n_seq * seqlen_q
-    return packed, n_seq, n_q_heads, n_kv_heads, head_dim, seqlen_q, seqlen_k, total_q
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
-
-
 _launch_fwd = FastLauncher(_attn_fwd_kernel)  # one launch per layer per decode step
-_launch_combine = FastLauncher(_attn_combine_kernel)
-
-SPLIT_DECODE_CHOICES = ("auto", "always", "never")
-MAX_SPLIT_KEYS = 1 << 30  # ks + SPLIT_N stays below 2^31 (the kernels' int32 key positions)
-
-
-def split_keys(head_dim: int, dtype: torch.dtype) -> int:
-    """The default split size S (keys) for (head_dim, dtype): part of the formula, like BLOCK_N (a
-    row with more than S keys merges S-key splits; see the module header). 2048 for every
-    (head_dim, dtype): a multiple of every forward BLOCK_N (16 in the interpreter, 32 and 64 on the
-    GPU); the reference's ``SPLIT_KEYS`` follows it. Why 2048: a decode step at batch 1 against a
-    cache of T keys runs T / 2048 programs per kv head (B = 1, Hkv = 8: 32 at 8k, 128 at 32k, about
-    one per SM of an H100), while the prefill pays, per split of 32 key blocks, one merge and one
-    software-pipeline restart (~770 instructions per thread on sm_90 against ~680 per key block:
-    +3.5 % instructions for the rows past the first split; 1024 would double that)."""
-    return 2048
-
-
-def check_split_keys(split: int, block_n: int) -> None:
-    """``split`` (the option ``attention_split_keys``) is a positive multiple of ``block_n`` (the
-    key block it is cut into) and at most ``MAX_SPLIT_KEYS``."""
-    if isinstance(split, bool) or not isinstance(split, int) or split < 1 or split > MAX_SPLIT_KEYS:
-        raise ValueError(f"attention_split_keys must be an int in [1, 2^30], got {split!r}")
-    if split % block_n:
-        raise ValueError(
-            f"attention_split_keys ({split}) must be a multiple of the attention key block BLOCK_N "
-            f"({block_n} here)"
-        )
-
-
-def use_split_decode(mode: str, n_splits: int, programs: int, device: torch.device) -> bool:
-    """Whether a call runs as split-decode (split partials, then the combine kernel) instead of the
-    one-pass kernel. Speed only: both compute the same splits and merge them in the same order
-    (``_merge``), so the bits do not depend on it. ``"auto"``: when some row spans two splits or
-    more and the one-pass grid (``programs`` row tiles × sequences × kv heads) would leave SMs idle
-    (decode at small batch; a large batch already fills the GPU, and its partials would cost
-    memory for nothing)."""
-    if mode == "never":
-        return False
-    if mode == "always":
-        return True
-    return n_splits > 1 and programs < num_sms(device, interpreter=4)
 
 
 def attention_fwd(

@@ -38,19 +38,19 @@ import triton
 import triton.language as tl
 
 from rlkernel._dispatch import interpreter_enabled
-from rlkernel.kernels._dot import dot, interpreted
-from rlkernel.kernels._launch import FP_FUSION
-from rlkernel.kernels.attention import (
+from rlkernel.kernels._attention_common import (
     LOG2E,
     _block_d,
     _common,
-    _device_guard,
     _non_finite,
     _precision,
     _seq_bounds,
     _strides4,
     _unit_last,
 )
+from rlkernel.kernels._dot import dot, interpreted
+from rlkernel.kernels._launch import FP_FUSION
+from rlkernel.kernels._launch import device_guard as _device_guard
 
 
 @dataclasses.dataclass(frozen=True)
