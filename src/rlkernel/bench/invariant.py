@@ -89,13 +89,16 @@ Caveats:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from rlkernel.bench._invariant_attention import ATTN_SPLITS, attn_setup
+from rlkernel.bench._invariant_calls import fwd_only as _fwd
+from rlkernel.bench._invariant_calls import grad_call as _grad_call
+from rlkernel.bench._invariant_calls import randn as _randn
 from rlkernel.bench._invariant_long import LONG_KINDS, long_setup, packed_lengths
 from rlkernel.bench._invariant_models import model_setup
 from rlkernel.bench.suite import (
@@ -103,18 +106,15 @@ from rlkernel.bench.suite import (
     CallResult,
     Options,
     Prepared,
-    Skip,
     Suite,
     Workload,
     bench_dtype,
-    optional_import,
     select,
     select_impls,
 )
 
 VARIANTS = ("rlkernel_single", "rlkernel_cublas_bwd", "rlkernel_split1024", "rlkernel_onesplit")
 # attn_* variants: the option attention_split_keys they set
-ATTN_SPLITS = {"rlkernel_split1024": 1024, "rlkernel_onesplit": 1 << 30}
 IMPLS = ("rlkernel", "torch", "flash_attn", *VARIANTS)
 KINDS = (
     "gemm", "gemm_eager", "gemm_fwd_bwd", "rmsnorm", "rmsnorm_fwd_bwd", "attn_prefill",
@@ -214,17 +214,6 @@ def sizes_for(opts: Options) -> Sizes:
     )
 
 
-
-
-def _randn(shape, device, gen, dtype, scale=1.0) -> torch.Tensor:
-    return torch.randn(shape, device=device, generator=gen, dtype=torch.float32).mul_(scale).to(dtype)
-
-
-def _fwd(fn: Callable[[], torch.Tensor]) -> CallResult:
-    with torch.no_grad():
-        return CallResult((fn(),))
-
-
 # --------------------------------------------------------------------------------------------------
 # Kernels: GEMM, RMSNorm, attention
 # --------------------------------------------------------------------------------------------------
@@ -253,22 +242,6 @@ def _gemm_setup(m: int, n: int, k: int):
         return Prepared({k_: v for k_, v in calls.items() if k_ in impls}, notes)
 
     return setup
-
-
-def _grad_call(fn: Callable, leaves: list[tuple[torch.Tensor, ...]], grads_out: list[torch.Tensor],
-               options: dict[str, Any] | None = None, keep: int | None = None):  # fmt: skip
-    """``fn(*leaves[i])`` forward + backward with upstream gradient ``grads_out[i]`` (under
-    ``rk.use_options(**options)``); the result keeps the first ``keep`` input gradients."""
-
-    def call(i: int) -> CallResult:
-        import rlkernel as rk
-
-        with rk.use_options(**(options or {})):
-            out = fn(*leaves[i])
-            grads = torch.autograd.grad(out, leaves[i], grads_out[i])
-        return CallResult((out.detach(),), tuple(grads[:keep]))
-
-    return call
 
 
 def _gemm_fwd_bwd_setup(m: int, n: int, k: int):
@@ -322,91 +295,6 @@ def _rms_setup(m: int, h: int, backward: bool = False):
             }
         note = "HF Qwen3RMSNorm code, eager" + (" + autograd" if backward else "")
         return Prepared({k: v for k, v in calls.items() if k in impls}, {"torch": note})
-
-    return setup
-
-
-def _flash(device: torch.device) -> tuple[Any, str]:
-    if device.type != "cuda":
-        return None, "flash-attn needs a CUDA device"
-    return optional_import("flash_attn")
-
-
-def _attn_setup(b: int, tq: int, tk: int, heads: tuple[int, int, int], backward: bool = False):
-    hq, hkv, d = heads
-
-    def setup(device: torch.device, impls: tuple[str, ...], copies: int) -> Prepared:
-        from rlkernel.invariant.attention import attention
-
-        gen = torch.Generator(device=device).manual_seed(SEED)
-        dt = bench_dtype(device)
-        qs = [_randn((b, tq, hq, d), device, gen, dt) for _ in range(copies)]
-        ks = [_randn((b, tk, hkv, d), device, gen, dt) for _ in range(copies)]
-        vs = [_randn((b, tk, hkv, d), device, gen, dt) for _ in range(copies)]
-        # SDPA gets its own [B, H, T, D] contiguous copies (the layout HF hands it) with the KV heads
-        # already repeated to Hq outside the timed call: the FlashAttention backend then always
-        # applies (enable_gqa does not reach it on every torch version), the strictest baseline.
-        qt = [x.transpose(1, 2).contiguous() for x in qs]
-        kt, vt = (
-            [x.repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous() for x in xs]
-            for xs in (ks, vs)
-        )
-        causal = tq == tk  # decode: one query attends to the whole cache (no mask needed)
-        if backward:  # dq is cross-checked (SDPA's dk/dv are those of the repeated heads)
-            gos = [_randn((b, tq, hq, d), device, gen, dt) for _ in range(copies)]
-            ours = [tuple(x.requires_grad_() for x in qkv) for qkv in zip(qs, ks, vs, strict=True)]
-            theirs = [tuple(x.requires_grad_() for x in qkv) for qkv in zip(qt, kt, vt, strict=True)]
-
-            def sdpa_fwd(q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-
-            def sdpa_grads(i: int) -> CallResult:
-                out = _grad_call(sdpa_fwd, theirs, gos, keep=1)(i)
-                return CallResult(out.values, (out.grads[0].transpose(1, 2),))
-
-            calls: dict[str, Any] = {
-                "rlkernel": _grad_call(attention, ours, gos, keep=1),
-                "torch": sdpa_grads,
-            }
-            for name, size in ATTN_SPLITS.items():
-                calls[name] = _grad_call(attention, ours, gos, {"attention_split_keys": size}, keep=1)
-            notes = {"torch": "F.scaled_dot_product_attention + autograd, KV heads pre-repeated"}
-            notes |= {name: f"attention_split_keys={size}" for name, size in ATTN_SPLITS.items()}
-            if "flash_attn" in impls:
-                calls["flash_attn"] = Skip("forward only in this suite")
-            return Prepared({k: v for k, v in calls.items() if k in impls}, notes)
-
-        def sdpa(i: int) -> CallResult:
-            with torch.no_grad():
-                o = F.scaled_dot_product_attention(qt[i], kt[i], vt[i], is_causal=causal)
-            return CallResult((o.transpose(1, 2),))
-
-        def split_variant(size: int):
-            def call(i: int) -> CallResult:
-                import rlkernel as rk
-
-                with rk.use_options(attention_split_keys=size):
-                    return _fwd(lambda: attention(qs[i], ks[i], vs[i]))
-
-            return call
-
-        calls: dict[str, Any] = {
-            "rlkernel": lambda i: _fwd(lambda: attention(qs[i], ks[i], vs[i])),
-            "torch": sdpa,
-        }
-        calls |= {name: split_variant(size) for name, size in ATTN_SPLITS.items()}
-        notes = {"torch": "F.scaled_dot_product_attention, [B, H, T, D] inputs, KV heads pre-repeated"}
-        notes |= {name: f"attention_split_keys={size}" for name, size in ATTN_SPLITS.items()}
-        if "flash_attn" in impls:
-            fa, why = _flash(device)
-            if fa is None:
-                calls["flash_attn"] = Skip(why)
-            else:
-                calls["flash_attn"] = lambda i: _fwd(
-                    lambda: fa.flash_attn_func(qs[i], ks[i], vs[i], causal=causal)
-                )
-                notes["flash_attn"] = f"flash_attn_func, flash-attn {getattr(fa, '__version__', '?')}"
-        return Prepared({k: v for k, v in calls.items() if k in impls}, notes)
 
     return setup
 
@@ -522,7 +410,7 @@ def build(opts: Options) -> list[Workload]:
                     "fwd+bwd" if backward else "fwd",
                     f"B={b} T={t} H={hq}/{hkv} D={d}",
                     b * t,
-                    _attn_setup(b, t, t, sz.heads, backward),
+                    attn_setup(SEED, b, t, t, sz.heads, backward),
                     attn_impls,
                     flops=(7 if backward else 2) * b * hq * t * t * d,
                     input_bytes=b * t * ((2 if backward else 1) * hq + 2 * hkv) * d * E,
@@ -537,7 +425,7 @@ def build(opts: Options) -> list[Workload]:
                     "fwd",
                     f"B={b} Tk={tk} H={hq}/{hkv} D={d}",
                     b,
-                    _attn_setup(b, 1, tk, sz.heads),
+                    attn_setup(SEED, b, 1, tk, sz.heads),
                     attn_impls,
                     bytes_moved=2 * b * tk * hkv * d * E,
                     input_bytes=b * (hq + 2 * tk * hkv) * d * E,
