@@ -91,7 +91,17 @@ def test_full_workload_list():
         ("model_long_train", "qwen3-8b-slice B=1 T=32768"),
         ("model_long_train", "qwen3-8b-slice B=1 T=131072"),
         ("model_long_train", f"qwen3-8b-slice packed S={s} T=131072"),
+        # the anchor config: the same rows at 8k and 32k, no 128k step
+        ("model_long_prefill", "anchor B=1 T=8192"),
+        ("model_long_prefill", "anchor B=1 T=32768"),
+        ("model_long_decode", "anchor B=1 cache=8192"),
+        ("model_long_decode", "anchor B=1 cache=32768"),
+        ("model_long_train", "anchor B=1 T=8192"),
+        ("model_long_train", "anchor B=1 T=32768"),
     ]
+    assert long[("model_long_train", "anchor B=1 T=32768")].capped(
+        harness.Options(device=torch.device("cpu"))
+    ) == (1, 3, 2)
     assert long[("model_long_decode", "qwen3-8b-slice B=1 cache=32768")].params["tokens"] == 1
     step = long[("model_long_train", "qwen3-8b-slice B=1 T=131072")]
     assert (step.pass_, step.params["tokens"]) == ("fwd+bwd", 131072)
@@ -132,6 +142,12 @@ def test_smoke_long_rows(smoke):
         ("model_long_train", "tiny B=1 T=32", "32"),
         ("model_long_train", "tiny B=1 T=64", "64"),
         ("model_long_train", f"tiny packed S={s} T=64", "64"),
+        ("model_long_prefill", "tiny-llama B=1 T=16", "16"),
+        ("model_long_prefill", "tiny-llama B=1 T=32", "32"),
+        ("model_long_decode", "tiny-llama B=1 cache=16", "1"),
+        ("model_long_decode", "tiny-llama B=1 cache=32", "1"),
+        ("model_long_train", "tiny-llama B=1 T=16", "16"),
+        ("model_long_train", "tiny-llama B=1 T=32", "32"),
     }
     for r in long:
         if r["impl"] == "flash_attn":

@@ -29,7 +29,8 @@ Workloads (bf16 on the GPU; ``shape`` and ``tokens`` columns say the size):
                     ``fused_policy_loss(hidden=...)``, backward to every parameter) on T = 8192,
                     32768 and 131072 tokens as one sequence, and on 131072 tokens of ragged
                     sequences packed into one row (:mod:`rlkernel.bench._invariant_long` has the
-                    inputs and how each model is told about the packing)
+                    inputs and how each model is told about the packing); the three at T = 8192
+                    and 32768 for the anchor model as well (D = 64: the attention's other tiles)
 
 Implementations:
 
@@ -146,6 +147,7 @@ MODEL_PREFILL, MODEL_DECODE, MODEL_TRAIN = (8, 512), (32, 512), (4, 512)  # (B, 
 # steps that take seconds: the longest T gets 1 + 1 + 1 + 6 calls per implementation (first call,
 # warm-up, memory, timed), the 128k step 1 + 1 + 3.
 LONG_CONFIG, LONG_T, LONG_STEP_T = "qwen3-8b-slice", (8192, 32768), 131072
+LONG_OTHER_CONFIGS = ("anchor",)  # prefill, decode and training at each T of LONG_T too (no 128k step)
 LONG_TRAIN_CAPS, STEP_CAPS, NO_CAPS = (1, 3, 2), (0, 3, 1), (None, None, None)
 
 SMOKE_GEMM = ((48, 32, "smoke"),)
@@ -154,7 +156,7 @@ SMOKE_RMS = ((16,), 64)
 SMOKE_HEADS = (4, 2, 16)
 SMOKE_PREFILL, SMOKE_DECODE = ((2, 16),), ((2, 16),)
 SMOKE_MODEL = (2, 8)
-SMOKE_LONG_T, SMOKE_LONG_STEP_T = (16, 32), 64
+SMOKE_LONG_T, SMOKE_LONG_STEP_T, SMOKE_LONG_OTHER = (16, 32), 64, ("tiny-llama",)
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class Sizes:
     long_config: str
     long_t: tuple[int, ...]
     long_step_t: int
+    long_other_configs: tuple[str, ...]  # the model_long_* rows at each T of long_t, no long_step_t
 
 
 def sizes_for(opts: Options) -> Sizes:
@@ -194,6 +197,7 @@ def sizes_for(opts: Options) -> Sizes:
             "tiny",
             SMOKE_LONG_T,
             SMOKE_LONG_STEP_T,
+            SMOKE_LONG_OTHER,
         )
     return Sizes(
         GEMM_SHAPES,
@@ -211,6 +215,7 @@ def sizes_for(opts: Options) -> Sizes:
         LONG_CONFIG,
         LONG_T,
         LONG_STEP_T,
+        LONG_OTHER_CONFIGS,
     )
 
 
@@ -458,43 +463,47 @@ def build(opts: Options) -> list[Workload]:
 
 def _long_workloads(kinds: tuple[str, ...], sz: Sizes, impls: tuple[str, ...]) -> list[Workload]:
     """The ``model_long_*`` rows (:mod:`rlkernel.bench._invariant_long`): prefill and decode at each
-    T of ``sz.long_t``; training at each T, then ``sz.long_step_t`` tokens as one sequence and packed."""
+    T of ``sz.long_t``; training at each T, then ``sz.long_step_t`` tokens as one sequence and packed
+    (``sz.long_config`` only); the same rows but the step's for each of ``sz.long_other_configs``."""
     if not impls:
         return []
     out = []
-    for kind in LONG_KINDS:
-        if kind not in kinds:
-            continue
-        layouts = [[t] for t in sz.long_t]
-        if kind == "model_long_train":
-            n = sz.long_step_t
-            layouts += [[n], packed_lengths(n, SEED)]
-        for lengths in layouts:
-            t = sum(lengths)
-            if kind == "model_long_decode":
-                shape, tokens = f"{sz.long_config} B=1 cache={t}", 1
-            elif len(lengths) > 1:
-                shape, tokens = f"{sz.long_config} packed S={len(lengths)} T={t}", t
-            else:
-                shape, tokens = f"{sz.long_config} B=1 T={t}", t
-            caps = NO_CAPS
-            if kind == "model_long_train" and t == sz.long_step_t:
-                caps = STEP_CAPS
-            elif kind == "model_long_train" and t == max(sz.long_t):
-                caps = LONG_TRAIN_CAPS
-            out.append(
-                _workload(
-                    kind,
-                    "fwd+bwd" if kind == "model_long_train" else "fwd",
-                    shape,
-                    tokens,
-                    long_setup(kind, sz.long_config, lengths, SEED),
-                    impls,
-                    input_bytes=1 << 40,
-                    caps=caps,
-                )
-            )
+    for config in (sz.long_config, *sz.long_other_configs):
+        for kind in LONG_KINDS:
+            if kind not in kinds:
+                continue
+            layouts = [[t] for t in sz.long_t]
+            if kind == "model_long_train" and config == sz.long_config:
+                n = sz.long_step_t
+                layouts += [[n], packed_lengths(n, SEED)]
+            for lengths in layouts:
+                out.append(_long_workload(kind, config, lengths, sz, impls))
     return out
+
+
+def _long_workload(kind: str, config: str, lengths: list[int], sz: Sizes, impls: tuple[str, ...]) -> Workload:
+    t = sum(lengths)
+    if kind == "model_long_decode":
+        shape, tokens = f"{config} B=1 cache={t}", 1
+    elif len(lengths) > 1:
+        shape, tokens = f"{config} packed S={len(lengths)} T={t}", t
+    else:
+        shape, tokens = f"{config} B=1 T={t}", t
+    caps = NO_CAPS
+    if kind == "model_long_train" and t == sz.long_step_t:
+        caps = STEP_CAPS
+    elif kind == "model_long_train" and t == max(sz.long_t):
+        caps = LONG_TRAIN_CAPS
+    return _workload(
+        kind,
+        "fwd+bwd" if kind == "model_long_train" else "fwd",
+        shape,
+        tokens,
+        long_setup(kind, config, lengths, SEED),
+        impls,
+        input_bytes=1 << 40,
+        caps=caps,
+    )
 
 
 SUITE = Suite(
