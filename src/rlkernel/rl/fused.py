@@ -70,6 +70,7 @@ from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import current_options
 from rlkernel.ops import _dtensor_weight, id_checks
+from rlkernel.ops import _linear_rows as linear_rows
 from rlkernel.ops import routes as route_log
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
@@ -292,6 +293,9 @@ def fused_policy_loss(
 
 
 # -------------------------------------------------------------------------------- the builders
+ID_WHAT = "token_ids (at active mask positions)"  # the argument the id check's error names
+
+
 def _masked(call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, active)``: the masked ids of a host-plan or composed route (one launch on Triton)."""
     return token_loss.masked_token_ids(call.token_ids, call.batch.mask)
@@ -306,7 +310,7 @@ def _id_check(call: _Call, route: Route, active: torch.Tensor):
     if not call.validate or call.tp_group is not None or call.batch.cp is not None:
         return contextlib.nullcontext()
     return id_checks.token_ids_checked(
-        "token_ids (at active mask positions)", call.token_ids, call.vocab, None,
+        ID_WHAT, call.token_ids, call.vocab, None,
         defer=route.kernels != "reference", active=active,
     )  # fmt: skip
 
@@ -451,9 +455,33 @@ def _hidden_token(route: Route, call: _Call) -> PolicyLossOutput:
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
-    masked = _masked(call)
     batch = call.batch
     want_entropy = batch.cfg.entropy_coef != 0
+    # The id masking, padding compaction and the id check in one launch and one host read (the
+    # compaction's count with the check's two numbers), nothing host-bound before it; the plan is
+    # built lazily, on the first chunk's coefficients (below). Not with rollout rejection (the plan's
+    # ids drop tokens) or context parallelism (the plan's collectives first, on every rank).
+    rows = None
+    if batch.cfg.rollout_rs is None and batch.cp is None:
+        check_ids = call.validate and call.tp_group is None
+        rows = linear_rows.masked_active_rows(
+            call.token_ids, batch.mask, call.hidden, IGNORE_INDEX, call.vocab, check=check_ids
+        )
+    if rows is not None:
+        if check_ids:
+            defer = call.token_ids.is_cuda  # as _id_check: deferred on CUDA, raised here elsewhere
+            if rows.bad and not defer:  # the exact message (the kernel's first id is clamped to int32)
+                id_checks.check_token_ids(ID_WHAT, call.token_ids, call.vocab, None, defer=False,
+                                          active=rows.active)  # fmt: skip
+            id_checks.report_read(ID_WHAT, rows.bad, rows.first_key, call.vocab, None, defer=defer)
+        masked = (rows.ids, rows.active)
+        outs = fused_linear_token_loss(
+            call.hidden, call.weight, call.bias, rows.ids.reshape(-1), coef_fn=_lazy_coef_fn(batch, masked),
+            temperature=call.temperature, ignore_index=IGNORE_INDEX, with_entropy=want_entropy,
+            invariant_logits=call.invariant_logits, compaction=rows.compaction,
+        )  # fmt: skip
+        return _output(outs[0], outs[1], outs[2] if want_entropy else None, batch)
+    masked = _masked(call)
     if batch.cfg.rollout_rs is None and batch.cp is None:
         # The plan's ids are the masked ids: build the plan (~20 small launches of host time) on the
         # first chunk's coefficients, after that chunk's logits GEMM was queued, instead of before
