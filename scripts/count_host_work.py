@@ -7,7 +7,7 @@ first GEMM for the hidden cases), and over the whole call (forward + backward), 
     torch ops    ATen ops dispatched (``TorchDispatchMode``; views and metadata ops included)
     allocs       ops whose output has a storage none of their inputs had (a new tensor)
     syncs        reads of a tensor value by the host (``aten::_local_scalar_dense``/``is_nonzero``:
-                 ``.item()``, ``bool(t)``, ``.tolist()``; a device -> host copy on a GPU)
+                 ``.item()``, ``bool(t)``; and ``.tolist()`` calls; a device -> host copy on a GPU)
     launches     Triton kernel launches
 
 The counts stand for host time on a GPU machine (each torch op is ~2-10 us there, a launch ~5-20 us,
@@ -44,6 +44,7 @@ _spec.loader.exec_module(profile_call)
 
 GEMM_OPS = {"aten.mm.default", "aten.mm.out", "aten.addmm.default", "aten.addmm.out", "aten.bmm.default",
             "aten.matmul.default", "aten.baddbmm.default", "aten._addmm_activation.default"}  # fmt: skip
+GEMM_CALLS = {"mm", "addmm", "matmul", "bmm", "baddbmm", "linear"}
 GEMM_KERNEL_WORDS = ("linear_head", "matmul", "gemm")
 SYNC_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default"}
 KEYS = ("py calls", "c calls", "torch ops", "allocs", "syncs", "launches")
@@ -93,8 +94,14 @@ class Counter(TorchDispatchMode):
                 return
             if self.calls:
                 self.n["py calls"] += 1
-        elif event == "c_call" and self.calls:
-            self.n["c calls"] += 1
+        elif event == "c_call":
+            name = getattr(arg, "__name__", "")
+            if name in GEMM_CALLS:  # (the calls' run sees no dispatched op)
+                self._mark("first GEMM")
+            if self.calls:
+                self.n["c calls"] += 1
+            elif name == "tolist":  # a host read that dispatches no scalar op
+                self.n["syncs"] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

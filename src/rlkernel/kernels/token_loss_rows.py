@@ -252,7 +252,8 @@ def device_plan_forward(
     sizes = [1, n, n, n if want_entropy else 0, per_row, per_row, per_row if want_entropy else 0,
              plan.n_seqs if plan.factor_per_seq else 0]  # fmt: skip
     block = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
-    loss, loss_rows, logp, entropy, lse, g_logp, g_entropy, factor = block.split(sizes)
+    # (torch.split_with_sizes: Tensor.split is a Python wrapper, two calls more per call)
+    loss, loss_rows, logp, entropy, lse, g_logp, g_entropy, factor = torch.split_with_sizes(block, sizes)
     counts = torch.empty(N_COUNTS, dtype=torch.int64, device=dev)
     ids_out = torch.empty(0 if two_pass else n, dtype=torch.int32, device=dev)
     if two_pass:

@@ -282,7 +282,7 @@ def fused_policy_loss(
     route = choose_route(facts, opts)
     call = _Call(cfg, batch, token_ids, vocab, logits, hidden, weight, bias, float(temperature), tp_group,
                  validate, inplace_backward, inv_dtype)  # fmt: skip
-    if torch.compiler.is_compiling():  # no recording (a thread-local side effect) in a traced frame
+    if facts.compiling:  # no recording (a thread-local side effect) in a traced frame
         out = ROUTES[route.key](route, call)
     else:
         route_log.note_route(route)
