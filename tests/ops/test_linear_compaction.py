@@ -309,8 +309,10 @@ def test_hidden_token_route_masks_compacts_and_checks_in_one_launch(id_dtype, ma
     def run(**extra):
         hb, w = base.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         hidden = hb[:, 1:-1] if layout == "sliced" else hb[:, :t].contiguous()
-        out = rk.fused_policy_loss(cfg, hidden=hidden, weight=w, **{**kw, **extra})
-        return out, torch.autograd.grad(out.loss, (hb, w))
+        # 8-row chunks: the default 4096 padded rows take minutes interpreted
+        with rk.use_options(linear_chunk_bytes=8 * vocab * 4, linear_grad_bytes=8 * vocab * 4):
+            out = rk.fused_policy_loss(cfg, hidden=hidden, weight=w, **{**kw, **extra})
+            return out, torch.autograd.grad(out.loss, (hb, w))
 
     with rk.use_backend("triton"):
         out, grads = run()
@@ -331,5 +333,6 @@ def test_hidden_token_route_masks_compacts_and_checks_in_one_launch(id_dtype, ma
         with pytest.raises(ValueError, match=rf"token_ids \(at active mask positions\) has \d id\(s\) "
                            rf"outside \[0, {vocab}\) \(first: {first}\)"):  # fmt: skip
             run(token_ids=bad)
-        nan_out, _ = run(token_ids=bad, validate=False)
-    assert bool(torch.isnan(nan_out.loss))
+        if layout == "sliced" and id_dtype == torch.int64:  # once: the NaN of an unchecked bad id
+            nan_out, _ = run(token_ids=bad, validate=False)
+            assert bool(torch.isnan(nan_out.loss))
