@@ -351,8 +351,8 @@ def _logits_token_device(route: Route, call: _Call) -> PolicyLossOutput:
         call.logits, plan, temperature=call.temperature, inplace_backward=call.inplace_backward,
         two_pass=route.passes == 2,
     )  # fmt: skip
-    lead = call.batch.token_shape
-    return _output(loss, logp.view(lead), entropy.view(lead) if plan.want_entropy else None, call.batch)
+    # flat [S·T]: the metrics (lazy) view them as the batch's tokens, no view op per call
+    return _output(loss, logp, entropy if plan.want_entropy else None, call.batch, flat=True)
 
 
 def _logits_token_host(route: Route, call: _Call) -> PolicyLossOutput:
@@ -513,10 +513,18 @@ ROUTES = {
 }
 
 
-def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
+def _output(loss, logp, entropy, batch: LossBatch, flat: bool = False) -> PolicyLossOutput:
     """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
-    metrics equal the composed path's."""
-    return PolicyLossOutput(loss, compute_metrics=lambda: loss_from_batch(logp, entropy, batch).metrics)
+    metrics equal the composed path's (``flat``: ``logp``/``entropy`` ``[S·T]``, viewed as the
+    batch's tokens only when the metrics are read)."""
+
+    def metrics():
+        lp, en = logp, entropy
+        if flat:
+            lp, en = lp.view(batch.token_shape), None if en is None else en.view(batch.token_shape)
+        return loss_from_batch(lp, en, batch).metrics
+
+    return PolicyLossOutput(loss, compute_metrics=metrics)
 
 
 def _lazy_coef_fn(batch, masked_ids):
