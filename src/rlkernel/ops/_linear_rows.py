@@ -116,7 +116,7 @@ class MaskedRows:
     """A hidden-path loss call's masked ids and padding compaction from one launch and one host read
     (:func:`masked_active_rows`)."""
 
-    ids: torch.Tensor  # int64, the token shape: max(id, -1) where active, ignore_index elsewhere
+    ids: torch.Tensor  # int64 [N], flat: max(id, -1) where active, ignore_index elsewhere
     active: torch.Tensor  # bool, the token shape: mask != 0
     compaction: tuple[torch.Tensor | None, torch.Tensor | None]  # active_rows' (row_index, storage_index)
     bad: int  # active ids outside [0, V) (0 without the check)
@@ -155,4 +155,4 @@ def masked_active_rows(
     else:
         idx = out[n : n + count]
         compaction = (idx, None if storage is None else out[2 * n : 2 * n + count])
-    return MaskedRows(out[:n].view(token_ids.shape), active, compaction, bad, key)
+    return MaskedRows(out[:n], active, compaction, bad, key)

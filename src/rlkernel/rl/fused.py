@@ -474,9 +474,9 @@ def _hidden_token(route: Route, call: _Call) -> PolicyLossOutput:
                 id_checks.check_token_ids(ID_WHAT, call.token_ids, call.vocab, None, defer=False,
                                           active=rows.active)  # fmt: skip
             id_checks.report_read(ID_WHAT, rows.bad, rows.first_key, call.vocab, None, defer=defer)
-        masked = (rows.ids, rows.active)
+        masked = (rows.ids, rows.active)  # (flat ids: the plan reads them flat)
         outs = fused_linear_token_loss(
-            call.hidden, call.weight, call.bias, rows.ids.reshape(-1), coef_fn=_lazy_coef_fn(batch, masked),
+            call.hidden, call.weight, call.bias, rows.ids, coef_fn=_lazy_coef_fn(batch, masked),
             temperature=call.temperature, ignore_index=IGNORE_INDEX, with_entropy=want_entropy,
             invariant_logits=call.invariant_logits, compaction=rows.compaction,
         )  # fmt: skip
