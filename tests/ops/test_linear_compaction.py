@@ -283,7 +283,8 @@ def test_hidden_token_route_masks_compacts_and_checks_in_one_launch(id_dtype, ma
     read (scripts/count_host_work.py counts them); loss, gradients and
     metrics match the reference backend on fresh random inputs with garbage ids at masked positions
     (a NaN mask entry counts as active, as in torch), a hidden sliced from longer sequences (read in
-    place) or contiguous, every mask / id dtype the route takes; an active id out of range raises
+    place) or contiguous, every mask / id dtype the route takes, one batch without padding; an active
+    id out of range raises
     (CPU: in the call) naming the argument, the count and the first bad id; ``validate=False`` gives
     a NaN loss instead."""
     b, t, vocab, hdim = 3, 5, 37, 16
@@ -293,6 +294,8 @@ def test_hidden_token_route_masks_compacts_and_checks_in_one_launch(id_dtype, ma
     ids = torch.randint(0, vocab, (b, t), generator=g)
     maskf = (torch.rand(b, t, generator=g) > 0.35).float()
     maskf[0, 0], maskf[2, 4] = 1.0, 0.0  # one active, one padded position at least
+    if id_dtype == torch.int32:
+        maskf.fill_(1.0)  # every row active: nothing to compact
     if mask_dtype.is_floating_point:
         maskf[1, 1] = float("nan")  # active
     active = maskf != 0

@@ -280,7 +280,8 @@ def _flatten(hidden, token_ids):
     """``(hidden, flat int64 ids)``: hidden as ``[N, H]``, or 3-D as given — the Functions read a 3-D
     hidden's rows through ``_linear_rows.hidden_rows`` (in place for a slice of longer sequences,
     which a reshape here would copy)."""
-    ids = token_ids.reshape(-1).long().contiguous()  # the staging and compaction kernels read it flat
+    # the staging and compaction kernels read it flat (already flat: no view op)
+    ids = (token_ids if token_ids.dim() == 1 else token_ids.reshape(-1)).long().contiguous()
     if hidden.dim() == 3:
         return hidden, ids
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.

@@ -150,9 +150,11 @@ def masked_active_rows(
     count, bad, key = out[tail : tail + 3].tolist()  # the host sync (the count sizes the row loop)
     if not check:
         bad, key = 0, 0
+    # The views in one op (host time): ids, the positions, and with storage their storage rows.
+    sizes = [n, count, n - count] + ([count, n - count] if storage is not None else []) + [3]
+    parts = torch.split_with_sizes(out, sizes)
     if count == n:
         compaction = (None, None)
     else:
-        idx = out[n : n + count]
-        compaction = (idx, None if storage is None else out[2 * n : 2 * n + count])
-    return MaskedRows(out[:n], active, compaction, bad, key)
+        compaction = (parts[1], None if storage is None else parts[3])
+    return MaskedRows(parts[0], active, compaction, bad, key)
