@@ -223,11 +223,9 @@ def host_buffer(n: int) -> torch.Tensor:
 def defer_written(what: str, host: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
     """Queue the check whose kernel, already queued on the current stream, writes its count and
     first-bad key into the pinned ``host`` ``[2]`` itself (no copy): earlier finished checks are
-    raised first. Nothing is queued inside CUDA-graph capture (the buffer goes back to the pool)."""
-    if torch.cuda.is_current_stream_capturing():
-        with _lock:
-            _free_buffers.setdefault(host.numel(), []).append(host)
-        return
+    raised first. Never inside CUDA-graph capture: the caller takes no buffer there (a replayed
+    graph must not write into a pooled buffer; ``ops.device_plan_loss``), so this does not ask
+    again (host time: one CUDA query per call)."""
     raise_pending_errors(wait=False)
     _remember(what, host, vocab_size, ignore_index, 0)
 
