@@ -70,7 +70,6 @@ from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
 from rlkernel._options import current_options
 from rlkernel.ops import _dtensor_weight, id_checks
-from rlkernel.ops import _linear_rows as linear_rows
 from rlkernel.ops import routes as route_log
 from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
@@ -453,6 +452,7 @@ def _logits_autograd(route: Route, call: _Call) -> PolicyLossOutput:
 def _hidden_token(route: Route, call: _Call) -> PolicyLossOutput:
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
+    from rlkernel.ops import _linear_rows as linear_rows  # (imports the kernels: not at module level)
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
     batch = call.batch
