@@ -10,10 +10,13 @@ first GEMM for the hidden cases), and over the whole call (forward + backward), 
                  ``.item()``, ``bool(t)``; and ``.tolist()`` calls; a device -> host copy on a GPU)
     launches     Triton kernel launches
 
-The counts stand for host time on a GPU machine (each torch op is ~2-10 us there, a launch ~5-20 us,
-a Python call ~0.1-1 us); the routes are those a CUDA call takes, except where a route reads a value
-on the CPU that it writes into pinned memory on CUDA (the device-plan id check: one sync here). The
-cases are ``scripts/profile_call.py``'s (its ``--smoke`` sizes, default arguments, temperature 0.9):
+The counts stand for host time on a GPU machine (a torch op, a launch: several us each there; a
+Python call under 1 us). The routes are a CUDA call's, with these differences on the CPU: an id
+check reads its result at once (the device-plan route: one ``tolist`` here, pinned memory on CUDA;
+before the fused hidden check, torch ops before the engine instead of a deferred launch after it),
+and the hidden cases run the cuBLAS-chunk back end (CUDA's default on an H100: the epilogue kernel),
+in one 64-row chunk. The cases are ``scripts/profile_call.py``'s (its ``--smoke`` sizes, default
+arguments, temperature 0.9):
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/count_host_work.py            # dapo hidden_dapo
     TRITON_INTERPRET=1 PYTHONPATH=src python3 scripts/count_host_work.py --cases gspo --ops
