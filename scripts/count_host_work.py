@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward-only", action="store_true", help="the forward without backward")
     parser.add_argument("--no-validate", action="store_true", help="validate=False")
     parser.add_argument("--ops", action="store_true", help="list the torch ops and the kernels")
+    parser.add_argument("--option", type=profile_call.option_value, action="append", default=[],
+                        metavar="NAME=VALUE", help="rk.use_options(NAME=VALUE) around the calls, e.g. "
+                        "linear_head_gemm=triton (the H100's epilogue back end, interpreted)")  # fmt: skip
     args = parser.parse_args(argv)
     pargs = profile_call.parse_args(["--smoke"] + (["--forward-only"] if args.forward_only else [])
                                     + (["--no-validate"] if args.no_validate else []))  # fmt: skip
@@ -170,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     # The kernels' routes on CPU tensors (as "auto" on CUDA); the hidden cases in one 64-row chunk
     # and group (the default 4096 padded rows take minutes interpreted; the calls are the same).
     rows = profile_call.SMOKE_TOKENS * profile_call.SMOKE_VOCAB * 4
-    with rk.use_backend("triton"), rk.use_options(linear_chunk_bytes=rows, linear_grad_bytes=rows):
+    options = {"linear_chunk_bytes": rows, "linear_grad_bytes": rows, **dict(args.option)}
+    with rk.use_backend("triton"), rk.use_options(**options):
         for name in args.cases:
             report(name, args, pargs, device)
     return 0
