@@ -84,6 +84,7 @@ MARKS = (
     "rlkernel.rl.token_loss:plan_from_batch",
     "rlkernel.ops.id_checks:check_token_ids",
     "rlkernel.ops._linear_function:active_rows",
+    "rlkernel.ops._linear_rows:masked_active_rows",
     "rlkernel.ops._linear_function:make_engine",
     "rlkernel.ops._linear_engine_base:ChunkEngine.stage",
     "rlkernel.kernels.linear_head:stats_partials_unchecked",

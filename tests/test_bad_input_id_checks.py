@@ -80,3 +80,23 @@ def test_cpu_check_raises_inside_the_call(pending):
 def test_wait_must_be_a_bool(wait):
     with pytest.raises(TypeError, match="wait"):
         rk.raise_pending_errors(wait=wait)
+
+
+def test_report_read_defers_or_raises(pending):
+    """``report_read`` (a check whose numbers the caller read with its own host sync): deferred, a
+    bad count is pending and ready at once (raised by the next poll, once; earlier finished checks
+    first); not deferred, it raises here; a clean count leaves nothing pending."""
+    key = (4 << 32) | (61 + 2**31)
+    deferred.report_read("token_ids", 0, key, 50, None, defer=True)
+    assert pending == []
+    add(pending, 1, -9, done=True, what="earlier")
+    with pytest.raises(ValueError, match=r"earlier has 1 id"):  # the earlier check first
+        deferred.report_read("token_ids", 2, key, 50, None, defer=True)
+    deferred.report_read("token_ids", 2, key, 50, None, defer=True)
+    assert len(pending) == 1
+    with pytest.raises(ValueError, match=r"token_ids has 2 id\(s\) outside \[0, 50\) \(first: 61\)"):
+        deferred.raise_pending_errors(wait=False)
+    assert pending == []
+    with pytest.raises(ValueError, match=r"token_ids has 3 id\(s\).*first: 61"):
+        deferred.report_read("token_ids", 3, key, 50, None, defer=False)
+    assert pending == []

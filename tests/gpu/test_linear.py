@@ -221,6 +221,28 @@ def test_fused_dapo_kl_matches_composed_loss(loss_case, coefs, against):
         assert rel_err(got, exp) <= grad_tol, name
 
 
+@pytest.mark.skipif(SMOKE, reason="the deferral is CUDA's (the CPU raises inside the call)")
+def test_fused_public_bad_id_is_nan_now_and_raised_by_the_next_call(loss_case):
+    """``fused_policy_loss(hidden=...)`` with ``validate=True`` and an active id >= V on CUDA: the
+    masking / compaction / check launch's one host read brings the check's numbers back with the
+    count; the loss is NaN at once and the ValueError (count, first bad id) comes from the next
+    checking call, once, as on the logits path (tests/gpu/test_loss.py); a clean call leaves
+    nothing pending."""
+    c = loss_case
+    vocab = c.inp.weight.shape[0]
+    rk.raise_pending_errors()
+    assert torch.isfinite(fused_public(c, leaves(c.inp)))
+    rk.raise_pending_errors()  # nothing pending: no error
+    ids = c.ids.clone()
+    ids[0, 0], ids[1, 0] = vocab + 12345, vocab + 7  # active: lengths >= 0.8 T
+    bad = SimpleNamespace(**{**vars(c), "ids": ids})
+    assert bool(torch.isnan(fused_public(bad, leaves(c.inp))))
+    with pytest.raises(ValueError, match=rf"active mask positions\) has 2 id\(s\) outside \[0, {vocab}\)"
+                       rf".*first: {vocab + 12345}"):  # fmt: skip
+        rk.raise_pending_errors(wait=False)
+    rk.raise_pending_errors()  # raised once
+
+
 @pytest.mark.parametrize(
     "mode", ["default fp32", "default input", pytest.param("invariant", marks=pytest.mark.cpu_smoke)]
 )

@@ -163,3 +163,50 @@ def test_active_rows_match_nonzero(n, storage):
         assert torch.equal(out[:count], want)
         if storage:
             assert torch.equal(out[n : n + count], want + (want // seq_len) * gap)
+
+
+@pytest.mark.parametrize("n", [1, 7, kernel.ROWS_BLOCK + 3, 2 * kernel.ROWS_BLOCK + 5])
+@pytest.mark.parametrize("storage", [False, True])
+@pytest.mark.parametrize(
+    ("id_dtype", "mask_dtype"),
+    [(torch.int64, torch.bool), (torch.int32, torch.float32), (torch.uint8, torch.int32),
+     (torch.int64, torch.bfloat16)],
+)  # fmt: skip
+def test_masked_rows_match_the_three_kernels(n, storage, id_dtype, mask_dtype):
+    """``masked_rows`` (one launch) against ``masked_ids``' torch reference, ``nonzero`` and the id
+    check's reference on fresh random ids (some negative, some >= V) and masks (NaN counts as active,
+    as in torch): masked ids and active mask bitwise, the positions, storage rows and count, and the
+    bad ids' count and first one (active positions only), for masks with some, no and every
+    position active; without the check only the count is compared."""
+    g = torch.Generator().manual_seed(n + 10 * storage)
+    seq_len, gap = 7, 3
+    low = 0 if id_dtype == torch.uint8 else -150
+    for fraction in (0.4, 0.0, 1.0):
+        ids = torch.randint(low, V + 20, (n,), generator=g).to(id_dtype)
+        mask = torch.rand(n, generator=g) * 2 + 0.5  # never 0: active
+        mask[torch.rand(n, generator=g) >= fraction] = 0.0
+        if mask_dtype.is_floating_point and n > 3 and fraction == 0.4:
+            mask[3] = float("nan")  # active, as mask != 0 in torch
+        mask = mask.to(mask_dtype)
+        for check in (True, False):
+            out, active, tail = kernel.masked_rows(ids.to(DEVICE), mask.to(DEVICE), -100, V, seq_len=seq_len,
+                                                   gap=gap, storage=storage, check=check)  # fmt: skip
+            want_ids, want_active = masked_reference(ids, mask, -100)
+            out, active = out.cpu(), active.cpu()
+            assert tail == (3 if storage else 2) * n
+            assert torch.equal(out[:n], want_ids) and torch.equal(active, want_active)
+            want = want_active.nonzero().squeeze(1)
+            count = int(out[tail])
+            assert count == want.numel()
+            assert torch.equal(out[n : n + count], want)
+            if storage:
+                assert torch.equal(out[2 * n : 2 * n + count], want + (want // seq_len) * gap)
+            if check:
+                bad, first = reference(ids, V, None, want_active)
+                assert int(out[tail + 1]) == bad
+                if bad:
+                    assert kernel.decode_first(int(out[tail + 2])) == first
+                else:
+                    assert int(out[tail + 2]) == kernel.NO_BAD_ID
+        if fraction == 0.4 and n > 7:  # both kinds of position, and bad active ids, present
+            assert 0 < count < n and bad > 0

@@ -270,3 +270,72 @@ def test_fused_loss_projects_only_active_rows(monkeypatch):
     )
     run_loss(h, w, b, plan)
     assert len(chunks) == -(-n_active // 8) < B * T // 8
+
+
+@pytest.mark.parametrize(
+    ("id_dtype", "mask_dtype", "layout"),
+    [(torch.int64, torch.bool, "sliced"), (torch.int32, torch.float32, "contiguous"),
+     (torch.uint8, torch.int32, "sliced"), (torch.int64, torch.bfloat16, "contiguous")],
+)  # fmt: skip
+def test_hidden_token_route_masks_compacts_and_checks_in_one_launch(id_dtype, mask_dtype, layout):
+    """rk.fused_policy_loss(hidden=...), token-level route: the id masking, padding compaction and id
+    check come from one launch (``kernels.ids.masked_rows``, tests/kernels/test_ids.py) and one host
+    read (scripts/count_host_work.py counts them); loss, gradients and
+    metrics match the reference backend on fresh random inputs with garbage ids at masked positions
+    (a NaN mask entry counts as active, as in torch), a hidden sliced from longer sequences (read in
+    place) or contiguous, every mask / id dtype the route takes, one batch without padding; an active
+    id out of range raises
+    (CPU: in the call) naming the argument, the count and the first bad id; ``validate=False`` gives
+    a NaN loss instead."""
+    b, t, vocab, hdim = 3, 5, 37, 16
+    g = torch.Generator().manual_seed(int(id_dtype.itemsize) + 7 * int(mask_dtype.itemsize))
+    base = torch.randn(b, t + 2, hdim, generator=g)
+    weight = (torch.randn(vocab, hdim, generator=g) * 0.3)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    maskf = (torch.rand(b, t, generator=g) > 0.35).float()
+    maskf[0, 0], maskf[2, 4] = 1.0, 0.0  # one active, one padded position at least
+    if id_dtype == torch.int32:
+        maskf.fill_(1.0)  # every row active: nothing to compact
+    if mask_dtype.is_floating_point:
+        maskf[1, 1] = float("nan")  # active
+    active = maskf != 0
+    garbage = 255 if id_dtype == torch.uint8 else -7
+    ids = torch.where(active, ids, garbage).to(id_dtype)
+    mask = maskf.to(mask_dtype)
+    kw = dict(
+        token_ids=ids, mask=mask, old_logp=-torch.rand(b, t, generator=g) * 3,
+        advantages=torch.randn(b, generator=g)[:, None].expand(b, t).contiguous(),
+        ref_logp=-torch.rand(b, t, generator=g) * 3, temperature=0.9,
+    )  # fmt: skip
+    cfg = rk.PolicyLossConfig.preset("dapo", kl_coef=0.05, kl_estimator="k3")
+
+    def run(**extra):
+        hb, w = base.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        hidden = hb[:, 1:-1] if layout == "sliced" else hb[:, :t].contiguous()
+        # 8-row chunks: the default 4096 padded rows take minutes interpreted
+        with rk.use_options(linear_chunk_bytes=8 * vocab * 4, linear_grad_bytes=8 * vocab * 4):
+            out = rk.fused_policy_loss(cfg, hidden=hidden, weight=w, **{**kw, **extra})
+            return out, torch.autograd.grad(out.loss, (hb, w))
+
+    with rk.use_backend("triton"):
+        out, grads = run()
+    assert out.route.key == ("hidden", "token", "triton", "host"), str(out.route)
+    with rk.use_backend("reference"):
+        want, want_grads = run()
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-6, rtol=1e-5)
+    for got, exp in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, exp, atol=2e-6, rtol=1e-4)
+    for name, value in want.metrics.items():
+        torch.testing.assert_close(out.metrics[name], value, atol=1e-5, rtol=1e-4)
+    bad = ids.clone()
+    bad[0, 0] = vocab + 3 if id_dtype != torch.uint8 else 200
+    first = int(bad[0, 0])
+    if id_dtype != torch.uint8:
+        bad[1, 3] = -2 if bool(active[1, 3]) else bad[1, 3]
+    with rk.use_backend("triton"):
+        with pytest.raises(ValueError, match=rf"token_ids \(at active mask positions\) has \d id\(s\) "
+                           rf"outside \[0, {vocab}\) \(first: {first}\)"):  # fmt: skip
+            run(token_ids=bad)
+        if layout == "sliced" and id_dtype == torch.int64:  # once: the NaN of an unchecked bad id
+            nan_out, _ = run(token_ids=bad, validate=False)
+            assert bool(torch.isnan(nan_out.loss))

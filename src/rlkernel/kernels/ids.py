@@ -198,3 +198,90 @@ def active_rows(
             {"num_warps": 8},
         )
     return out
+
+
+@triton.jit
+def _bad_block(y, active, offs, vocab_size):
+    """(count, first-bad key) of one block of ids (the module docstring's numbers; active only)."""
+    bad = active & ((y < 0) | (y >= vocab_size))
+    low = tl.minimum(tl.maximum(y, -2147483648), 2147483647) + 2147483648
+    key = tl.min(tl.where(bad, (offs << 32) | low, 9223372036854775807), axis=0)
+    return tl.sum(bad.to(tl.int64), axis=0), key
+
+
+@triton.jit(do_not_specialize=["n", "ignore_index", "vocab_size", "seq_len", "gap"])
+def _masked_rows_kernel(out_ptr, active_ptr, ids_ptr, mask_ptr, n, ignore_index, vocab_size, seq_len, gap,
+                        BLOCK: tl.constexpr, STORAGE: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+    """:func:`masked_rows`'s one launch: ``_masked_ids_kernel``'s outputs, ``_active_rows_kernel``'s
+    index (active: ``mask != 0``) and, in the last program, the count and the id check's two numbers
+    over every block (it reads the blocks before its own anyway: no atomics, no initialized buffer)."""
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    before = tl.zeros((), dtype=tl.int64)
+    bad = tl.zeros((), dtype=tl.int64)
+    first = tl.full((), 9223372036854775807, tl.int64)
+    start = tl.zeros((), dtype=tl.int64)
+    for _ in range(0, pid):  # the blocks before this one are whole
+        offs = start + lanes
+        act = tl.load(mask_ptr + offs) != 0  # NaN: != 0 (unordered), as torch
+        before += tl.sum(act.to(tl.int64), axis=0)
+        if CHECK:
+            b, k = _bad_block(tl.load(ids_ptr + offs).to(tl.int64), act, offs, vocab_size)
+            bad += b
+            first = tl.minimum(first, k)
+        start += BLOCK
+    offs = pid.to(tl.int64) * BLOCK + lanes
+    in_range = offs < n
+    y = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    active = in_range & (tl.load(mask_ptr + offs, mask=in_range, other=0) != 0)
+    tl.store(out_ptr + offs, tl.where(active, tl.maximum(y, -1), ignore_index), mask=in_range)
+    tl.store(active_ptr + offs, active, mask=in_range)
+    ones = active.to(tl.int64)
+    pos = before + tl.cumsum(ones, axis=0) - ones  # exclusive prefix: this row's rank
+    tl.store(out_ptr + n + pos, offs, mask=active)
+    tail = 2 * n
+    if STORAGE:  # row i of [B, T] at storage row i + (i // T)·gap of a hidden read in place
+        tl.store(out_ptr + 2 * n + pos, offs + (offs // seq_len) * gap, mask=active)
+        tail = 3 * n
+    if pid == tl.num_programs(0) - 1:
+        tl.store(out_ptr + tail, before + tl.sum(ones, axis=0))
+        if CHECK:
+            b, k = _bad_block(y, active, offs, vocab_size)
+            tl.store(out_ptr + tail + 1, bad + b)
+            tl.store(out_ptr + tail + 2, tl.minimum(first, k))
+
+
+_launch_masked_rows = FastLauncher(_masked_rows_kernel)
+
+
+def masked_rows(
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    ignore_index: int,
+    vocab_size: int,
+    *,
+    seq_len: int = 1,
+    gap: int = 0,
+    storage: bool = False,
+    check: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`masked_ids`, :func:`active_rows` (of the masked ids) and :func:`bad_id_stats` (of the
+    active ids, none exempt) in ONE launch: ``(out, active, tail)`` with the masked int64 ids at
+    ``out[:N]``, the active positions (increasing) at ``out[N:N + count]``, with ``storage`` their
+    storage rows (as :func:`active_rows`) at ``out[2N:2N + count]``, and at ``out[tail]`` the count,
+    at ``out[tail + 1:tail + 3]`` (``check``) the id check's count and first-bad key (module
+    docstring); ``active`` bool ``mask != 0``. Nothing is read on the host (the caller reads the
+    three numbers in one sync). Unchecked: ``ids`` (any integer dtype) and ``mask`` (any dtype) flat,
+    contiguous, of one size N >= 1, on one device; ``ignore_index`` < -1."""
+    n = ids.numel()
+    tail = (3 if storage else 2) * n
+    out = torch.empty(tail + 3, dtype=torch.int64, device=ids.device)
+    active = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+    with _device_guard(ids):
+        _launch_masked_rows(
+            (cdiv(n, ROWS_BLOCK),),
+            (out, active, ids, mask, n, int(ignore_index), int(vocab_size), int(seq_len), int(gap)),
+            {"BLOCK": ROWS_BLOCK, "STORAGE": bool(storage), "CHECK": bool(check)},
+            {"num_warps": 8},
+        )
+    return out, active, tail

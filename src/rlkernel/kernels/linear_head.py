@@ -432,9 +432,10 @@ def stats_partials_unchecked(
         return parts, z_y
     h_desc, w_desc, z_arg, z_tma, split = _descriptors(h, w, store_z, cfg)
     programs = _programs(h, m, n, cfg)
+    p = parts.unbind(0)  # (one op for the 2-3 views: host time)
     _launch_gemm(
         _launch_stats, programs,
-        (parts[0], parts[1], parts[-1], z_y, z_arg if store_z is not None else z_y, n,
+        (p[0], p[1], p[-1], z_y, z_arg if store_z is not None else z_y, n,
          h_desc, w_desc, ids, m, n, k, programs, temperature),
         {"WITH_ENTROPY": with_entropy, "STORE_Z": store_z is not None, "Z_SHIFTED": shifted,
          "Z_TMA": z_tma, "STORE_SPLIT": split},
@@ -456,10 +457,11 @@ def combine_partials_unchecked(
         return logp, lse, entropy
     cfg = config or LinearHeadConfig()
     rows, tiles = cfg.combine_rows, cfg.combine_tiles
+    p = parts.unbind(0)  # (one op for the 2-3 views: host time)
     with _device_guard(parts):
         _launch_combine(
             (_cdiv(m, rows),),
-            (logp, lse, entropy if with_entropy else logp, parts[0], parts[1], parts[-1],
+            (logp, lse, entropy if with_entropy else logp, p[0], p[1], p[-1],
              z_y, ids, m, vocab_size, parts.shape[1], ignore_index),
             {"BLOCK_R": rows, "BLOCK_T": tiles, "WITH_ENTROPY": with_entropy},
             {"num_warps": max(1, min(4, rows * tiles // 256)), "enable_fp_fusion": FP_FUSION},

@@ -14,17 +14,15 @@ backward). The row statistics are one jit helper, ``row_logprob_stats``, which t
 gradient-in-forward loss kernel (``kernels/token_loss.py``) calls too: same tiles, same logp bits.
 Backward: a 2-D grid (rows on axis 0, vocab tiles on axis 1, at most ceil(V / BLOCK_V) ≤ 65,535)
 recomputes ``p`` from the saved ``lse`` and writes the gradient in the logits' dtype, optionally
-into the logits' own storage. It can also scale both upstream gradients by a device scalar
-(``grad_scale``: the 0-dim upstream gradient of a fused scalar loss, read in-kernel: no extra
-launch, no host sync).
+into the logits' own storage, optionally scaling both upstream gradients by a device scalar
+(``grad_scale``: a fused scalar loss's upstream gradient, read in-kernel: no launch, no sync).
 
 Memory traffic, b = bytes per logit (2 for bf16), N rows, V vocab:
     forward   reads N·V·b once; writes 12·N bytes (logp, entropy, lse). One pass.
     backward  reads N·V·b, writes N·V·b (into a new tensor, or in place into the logits). Two passes.
     fwd + bwd three passes over the logits: at N = 8192, V = 151,936, bf16 that is 3 × 2.49 GB,
-              2.49 ms at 3.0 TB/s. Plain ``log_softmax(x.float()).gather`` writes and re-reads
-              fp32 [N, V] copies (upcast, log-probs, gradient, cast back): several times the
-              traffic, and an fp32 copy stays alive until backward.
+              2.49 ms at 3.0 TB/s (``log_softmax(x.float()).gather``: fp32 [N, V] copies written
+              and re-read, several times the traffic, one alive until backward).
 
 Batch invariance. Block sizes depend only on V and the dtype (``fwd_config``/``bwd_config``), never
 on N. Every per-element operation is elementwise, the tile max is exact, and the final per-row sums
@@ -36,15 +34,14 @@ dims (row = outer·stride_b + inner·stride_t), e.g. ``logits[:, :-1]`` of a con
 ``[B, T, V]`` tensor, and whose column stride s satisfies (V − 1)·s < 2^31; anything else is copied
 once (``as_kernel_layout``). Row offsets are int64, so N·V ≥ 2^31 works.
 
-Provenance: the online softmax of Milakov & Gimelshein (2018); the ignore-index handling, the saved
-LSE and the in-place backward follow the shape of FlashAttention's ``ops/triton/cross_entropy.py``
-and Liger-Kernel's ``ops/cross_entropy.py``, written anew here.
+Provenance: the online softmax of Milakov & Gimelshein (2018); ignore-index, saved LSE and in-place
+backward shaped like FlashAttention's and Liger-Kernel's ``cross_entropy.py``, written anew here.
 
 Caveats:
     * An id outside [0, V) that is not ``ignore_index`` (possible only with ``validate=False``)
       reads nothing out of bounds: its logp is NaN and its gradient has no one-hot term.
-    * Small N (decode-sized batches) leave most SMs idle: one program per row. A split-V forward
-      whose split count depends only on V would keep invariance; not done yet.
+    * Small N (decode-sized batches) leave most SMs idle (one program per row; a split-V forward,
+      split count a function of V, would keep invariance).
     * fp64 logits are not handled here; the public op sends them to the reference.
 """
 
@@ -56,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlkernel.kernels._launch import FP_FUSION, FastLauncher
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher, cdiv
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import finite_shift, online_lse_step, pairwise_sum
 
@@ -94,8 +91,8 @@ class KernelConfig:
 
 
 def _block(n_cols: int, max_block: int) -> int:
-    # At least 16 lanes: tiny vocabularies waste a few masked lanes instead of compiling 1-wide blocks.
-    return max(16, min(triton.next_power_of_2(n_cols), max_block))
+    """The next power of 2 >= V, >= 16 (no 1-wide block), in ints (no ConstexprFunction's host cost)."""
+    return max(16, min(1 << max(n_cols - 1, 0).bit_length(), max_block))
 
 
 def fwd_config(n_cols: int, dtype: torch.dtype, with_entropy: bool = False) -> KernelConfig:
@@ -514,7 +511,7 @@ def token_logprobs_bwd_into_unchecked(
     n_cols = logits.shape[-1]
     n_rows = logits.numel() // max(n_cols, 1)
     cfg = config or bwd_config(n_cols, logits.dtype)
-    grid = (n_rows, triton.cdiv(n_cols, cfg.block_v))
+    grid = (n_rows, cdiv(n_cols, cfg.block_v))
     assert grid[1] <= 65535, f"vocabulary {n_cols} needs {grid[1]} tiles on grid axis 1 (> 65,535)"
     with _device_guard(logits):
         _launch_bwd(
@@ -580,8 +577,7 @@ def token_logprobs_bwd_window_into(
     base itself for in place, or a contiguous tensor of its shape and dtype) and zeros elsewhere.
     The per-row inputs (``token_ids`` any integer dtype, fp32 ``lse``, ``grad_logp``, and with an
     entropy term ``entropy``, ``grad_entropy``) are flat contiguous ``[outer·count]`` in the
-    window's row order; ``grad_scale`` a one-element fp32 device tensor. Unchecked: the caller
-    (the device-plan loss) built every input."""
+    window's row order; ``grad_scale`` a one-element fp32 device tensor. Unchecked (the caller's)."""
     n_cols = base.shape[-1]
     base_inner, win_start, win_len = rows
     n_base_rows = base.numel() // max(n_cols, 1)
@@ -593,7 +589,7 @@ def token_logprobs_bwd_window_into(
     ent = entropy if grad_entropy is not None else lse
     with _device_guard(base):
         _launch_bwd(
-            (n_base_rows, triton.cdiv(n_cols, cfg.block_v)),
+            (n_base_rows, cdiv(n_cols, cfg.block_v)),
             (grad_base, slab, row_stride, 1, base, slab, row_stride, 1, token_ids, lse, ent, grad_logp,
              grad_entropy if grad_entropy is not None else lse, grad_scale, 1, n_cols, base_inner,
              win_start, win_len, float(temperature), int(ignore_index)),

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from rlkernel._token_loss_plan import TokenLossPlan
-from rlkernel.kernels._launch import FP_FUSION, FastLauncher, num_sms
+from rlkernel.kernels._launch import FP_FUSION, FastLauncher, cdiv, num_sms
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import pairwise_sum
 from rlkernel.kernels._token_loss_math import token_terms
@@ -195,7 +195,7 @@ _launch_scale = FastLauncher(_scale_kernel)
 
 def n_partials(n_tokens: int) -> int:
     """Number of per-block partial sums for ``n_tokens`` tokens."""
-    return triton.cdiv(n_tokens, BLOCK)
+    return cdiv(n_tokens, BLOCK)
 
 
 def token_loss_fwd(
@@ -306,7 +306,7 @@ def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     reads and writes nothing when the scale is 1. Returns ``grad``."""
     n = grad.numel()
     if n:
-        programs = min(triton.cdiv(n, SCALE_BLOCK), 4 * num_sms(grad.device, interpreter=2))
+        programs = min(cdiv(n, SCALE_BLOCK), 4 * num_sms(grad.device, interpreter=2))
         with _device_guard(grad):
             _launch_scale(
                 (programs,), (grad, scale, n), {"BLOCK": SCALE_BLOCK},

@@ -233,9 +233,9 @@ def device_plan_forward(
     Returns:
         ``(loss, logp, entropy, lse, g_logp, g_entropy, ids, counts)``: the fp32 ``[1]`` loss (the
         fixed-order sum of the rows' terms), fp32 ``[N]`` each (``entropy``/``g_entropy`` empty
-        without an entropy term; ``lse``/``g_logp``/``g_entropy``/``ids`` empty with ``grad``),
-        the masked ids int32 ``[N]``, and ``counts`` int64 ``[4]`` (``counts[2:4]``: the id
-        check's count and first-bad key).
+        without an entropy term; ``lse``/``g_logp``/``g_entropy`` empty with ``grad``),
+        the masked ids int32 ``[N]`` (None with ``grad``), and ``counts`` int64 ``[4]``
+        (``counts[2:4]``: the id check's count and first-bad key).
     """
     n_cols = logits.shape[-1]
     if window_rows is not None:  # the base's rows: [outer, L, V] contiguous
@@ -252,9 +252,10 @@ def device_plan_forward(
     sizes = [1, n, n, n if want_entropy else 0, per_row, per_row, per_row if want_entropy else 0,
              plan.n_seqs if plan.factor_per_seq else 0]  # fmt: skip
     block = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
-    loss, loss_rows, logp, entropy, lse, g_logp, g_entropy, factor = block.split(sizes)
+    # (torch.split_with_sizes: Tensor.split is a Python wrapper, two calls more per call)
+    loss, loss_rows, logp, entropy, lse, g_logp, g_entropy, factor = torch.split_with_sizes(block, sizes)
     counts = torch.empty(N_COUNTS, dtype=torch.int64, device=dev)
-    ids_out = torch.empty(0 if two_pass else n, dtype=torch.int32, device=dev)
+    ids_out = None if two_pass else torch.empty(n, dtype=torch.int32, device=dev)  # (2 passes: no alloc)
     if two_pass:
         if window_rows is not None or grad.stride() == logits.stride():
             stride_db, stride_dt = stride_b, stride_t

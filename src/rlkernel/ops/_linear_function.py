@@ -280,7 +280,8 @@ def _flatten(hidden, token_ids):
     """``(hidden, flat int64 ids)``: hidden as ``[N, H]``, or 3-D as given — the Functions read a 3-D
     hidden's rows through ``_linear_rows.hidden_rows`` (in place for a slice of longer sequences,
     which a reshape here would copy)."""
-    ids = token_ids.reshape(-1).long().contiguous()  # the staging and compaction kernels read it flat
+    # the staging and compaction kernels read it flat (already flat: no view op)
+    ids = (token_ids if token_ids.dim() == 1 else token_ids.reshape(-1)).long().contiguous()
     if hidden.dim() == 3:
         return hidden, ids
     # Rows by count, not -1: with H = 0 the row count of an empty tensor is ambiguous to reshape.
@@ -387,8 +388,15 @@ class _FusedLinearLossFunction(torch.autograd.Function):
     """loss = Σ_chunks coef_fn(...)[0]; gradients computed in forward for upstream 1 (3 GEMMs)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, settings):
-        idx, hidx = active_rows(ids, ignore_index, strided_rows(hidden)) if settings.compact else (None, None)
+    def forward(
+        ctx, hidden, weight, bias, ids, temperature, ignore_index, with_entropy, coef_fn, settings, compaction
+    ):
+        if not settings.compact:
+            idx, hidx = None, None
+        elif compaction is not None:  # found by the caller (``_linear_rows.masked_active_rows``)
+            idx, hidx = compaction
+        else:
+            idx, hidx = active_rows(ids, ignore_index, strided_rows(hidden))
         # Gradients only where autograd will ask for them (none under torch.no_grad(): 1 GEMM).
         grad_on = settings.grad_enabled
         need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
@@ -461,7 +469,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         dh, dw, db = ctx.grads
         b_dtype = ctx.bias_dtype
         if g_loss is None:
-            return (None,) * 9
+            return (None,) * 10
         scale = g_loss.to(torch.float32)
         if autograd_state.graph_retained():
             # Another backward will read the buffers: hand out scaled copies (same numbers: fp32 math,
@@ -469,7 +477,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             dh = None if dh is None else scaled(dh, scale)
             dw = None if dw is None else dw.scaled_copy(scale)
             db = None if db is None else (db * scale).to(b_dtype)
-            return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
+            return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None, None
         ctx.grads = None  # the buffers become the caller's gradients
         if dh is not None:
             dh = scaled(dh, scale, out=dh)  # in place, computed in fp32; exact for g == 1
@@ -478,7 +486,7 @@ class _FusedLinearLossFunction(torch.autograd.Function):
             dw = dw.finish(scale)
         if db is not None:
             db = (db * scale).to(b_dtype)
-        return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
+        return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None, None
 
 
     @staticmethod
@@ -490,14 +498,14 @@ class _FusedLinearLossFunction(torch.autograd.Function):
         if autograd_state.graph_retained() is False:  # known not retained (torch < 2.5: unknown, kept)
             ctx.whole = None
         if g_loss is None:
-            return (None,) * 9
+            return (None,) * 10
         (weight,) = ctx.saved_tensors
         need_h, need_w, need_b, n_rows = ctx.needs
         dh, dw, db = whole_batch_grads(
             wb, weight, n_rows, need_h, need_w, need_b, scale=g_loss.to(torch.float32)
         )
         db = None if db is None else db.to(ctx.bias_dtype)
-        return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None
+        return ctx.hidden_layout.grad(dh), dw, db, None, None, None, None, None, None, None
 
 
 def fused_linear_token_loss(
@@ -517,6 +525,7 @@ def fused_linear_token_loss(
     invariant_logits: torch.dtype | None = None,
     compact: bool = True,
     whole_batch: bool | None = None,
+    compaction: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """A token-level loss from hidden states with its gradient computed in the forward pass.
 
@@ -551,6 +560,10 @@ def fused_linear_token_loss(
         whole_batch: as in :func:`linear_token_logprobs_triton`; here the whole-batch gradient
             rows are kept from the forward to the backward, which runs the dhidden and dweight
             GEMMs with the upstream gradient known (module docstring).
+        compaction: padding compaction's ``(row_index, storage_index)`` of these ids and hidden's
+            layout as :func:`rlkernel.ops._linear_rows.active_rows` gives them (``(None, None)``:
+            every row active), when the caller found them already (one launch with the id masking:
+            ``_linear_rows.masked_active_rows``); None: found here (one launch, one host sync).
 
     Raises:
         TypeError: fp64 (or non-float) inputs, or weight/hidden dtypes that differ.
@@ -574,6 +587,7 @@ def fused_linear_token_loss(
     lead = hidden.shape[:-1]
     h, ids = _flatten(hidden, token_ids)
     outs = _FusedLinearLossFunction.apply(
-        h, weight, bias, ids, float(temperature), int(ignore_index), bool(with_entropy), coef_fn, settings
+        h, weight, bias, ids, float(temperature), int(ignore_index), bool(with_entropy), coef_fn, settings,
+        compaction,
     )
     return (outs[0], *(o.reshape(lead) for o in outs[1:]))

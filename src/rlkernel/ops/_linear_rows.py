@@ -109,3 +109,52 @@ def active_rows(
 def scatter_rows(x: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
     """``[n]`` zeros with ``x[i]`` at position ``idx[i]``."""
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_copy_(0, idx, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedRows:
+    """A hidden-path loss call's masked ids and padding compaction from one launch and one host read
+    (:func:`masked_active_rows`)."""
+
+    ids: torch.Tensor  # int64 [N], flat: max(id, -1) where active, ignore_index elsewhere
+    active: torch.Tensor  # bool, the token shape: mask != 0
+    compaction: tuple[torch.Tensor | None, torch.Tensor | None]  # active_rows' (row_index, storage_index)
+    bad: int  # active ids outside [0, V) (0 without the check)
+    first_key: int  # the first one's key (kernels.ids' layout)
+
+
+def masked_active_rows(
+    token_ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor, ignore_index: int, vocab_size: int,
+    *, check: bool,
+) -> MaskedRows | None:  # fmt: skip
+    """What ``rl.token_loss.masked_token_ids``, :func:`active_rows` of its ids (for ``hidden``'s row
+    layout, :func:`strided_rows`) and the id check of the active ids (``check``) give, in one launch
+    (``kernels.ids.masked_rows``) and one host sync, the compaction's count read together with the
+    check's two numbers: nothing else host-bound before it. None where that does not apply (ids or
+    mask not contiguous or not of one shape, no token, CUDA-graph capture: no sync can be made),
+    and the caller takes the separate steps."""
+    if (
+        not (token_ids.is_contiguous() and mask.is_contiguous())
+        or mask.shape != token_ids.shape
+        or token_ids.numel() == 0
+        or (token_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        return None
+    n = token_ids.numel()
+    storage = strided_rows(hidden)
+    t, step = storage if storage is not None else (1, 1)
+    out, active, tail = id_kernels.masked_rows(
+        token_ids, mask, ignore_index, vocab_size, seq_len=t, gap=step - t, storage=storage is not None,
+        check=check,
+    )  # fmt: skip
+    count, bad, key = out[tail : tail + 3].tolist()  # the host sync (the count sizes the row loop)
+    if not check:
+        bad, key = 0, 0
+    # The views in one op (host time): ids, the positions, and with storage their storage rows.
+    sizes = [n, count, n - count] + ([count, n - count] if storage is not None else []) + [3]
+    parts = torch.split_with_sizes(out, sizes)
+    if count == n:
+        compaction = (None, None)
+    else:
+        compaction = (parts[1], None if storage is None else parts[3])
+    return MaskedRows(parts[0], active, compaction, bad, key)

@@ -71,7 +71,8 @@ class DevicePlanLossFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, grad_loss, *unused):
         if ctx.rows is None or grad_loss is None or not ctx.needs_input_grad[0]:
-            return (*TokenLossFunction.backward(ctx, grad_loss, *unused), None)  # no gradient for ``what``
+            # (__wrapped__: this backward is under without_autocast already; no second wrapper)
+            return (*TokenLossFunction.backward.__wrapped__(ctx, grad_loss, *unused), None)  # (what: none)
         if ctx.overwritten:
             raise autograd_state.second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         base, ids, lse, g_logp, entropy, g_entropy = ctx.saved_tensors
@@ -128,7 +129,8 @@ class DevicePlanGradInForwardFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, *grads):
-        return (*TokenLossGradInForwardFunction.backward(ctx, *grads), None)  # no gradient for ``what``
+        # (__wrapped__: this backward is under without_autocast already; no second wrapper)
+        return (*TokenLossGradInForwardFunction.backward.__wrapped__(ctx, *grads), None)  # none for ``what``
 
 
 def _addressed(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:

@@ -44,7 +44,7 @@ class _Pending:
     vocab_size: int
     ignore_index: int | None
     host: torch.Tensor  # pinned int64: count, first-bad key (rlkernel.kernels.ids) at host[offset:]
-    done: torch.cuda.Event
+    done: torch.cuda.Event | None  # None: read already (report_read), ready
     offset: int = 0
 
 
@@ -70,18 +70,19 @@ def raise_pending_errors(wait: bool = True) -> None:
     """
     check.boolean("wait", wait)
     with _lock:
-        ready = [p for p in _pending if wait or p.done.query()]
+        ready = [p for p in _pending if wait or p.done is None or p.done.query()]
         if not ready:
             return
         for p in ready:
             _pending.remove(p)
     for p in ready:
-        if wait:
+        if wait and p.done is not None:
             p.done.synchronize()
         count, key = (int(v) for v in p.host.tolist()[p.offset : p.offset + 2])
-        with _lock:
-            _free_buffers.setdefault(p.host.numel(), []).append(p.host)
-            _free_events.append(p.done)
+        if p.done is not None:
+            with _lock:
+                _free_buffers.setdefault(p.host.numel(), []).append(p.host)
+                _free_events.append(p.done)
         if count:
             from rlkernel.kernels.ids import decode_first
 
@@ -176,6 +177,30 @@ def defer_result(
     _queue(what, stats, vocab_size, ignore_index, offset)
 
 
+def report_read(
+    what: str, count: int, key: int, vocab_size: int, ignore_index: int | None, *, defer: bool
+) -> None:
+    """An id check whose two numbers (``rlkernel.kernels.ids``' count and first-bad key) the caller
+    read on the host together with a value it had to read anyway (no sync of its own): raised as a
+    deferred check's would be. With ``defer`` (CUDA, Triton path) the errors of earlier finished
+    checks are raised first and a bad count is raised by a later call (see the module docstring);
+    without, a bad count raises here.
+
+    Raises:
+        ValueError: ``count`` > 0 and not ``defer``, or an earlier deferred check failed.
+    """
+    if defer:
+        raise_pending_errors(wait=False)
+    if not count:
+        return
+    if not defer:
+        from rlkernel.kernels.ids import decode_first
+
+        raise ValueError(check.token_ids_message(what, count, vocab_size, ignore_index, decode_first(key)[1]))
+    with _lock:
+        _pending.append(_Pending(what, vocab_size, ignore_index, torch.tensor([count, key]), None))
+
+
 def _queue(
     what: str, stats: torch.Tensor, vocab_size: int, ignore_index: int | None, offset: int = 0
 ) -> None:
@@ -198,11 +223,9 @@ def host_buffer(n: int) -> torch.Tensor:
 def defer_written(what: str, host: torch.Tensor, vocab_size: int, ignore_index: int | None) -> None:
     """Queue the check whose kernel, already queued on the current stream, writes its count and
     first-bad key into the pinned ``host`` ``[2]`` itself (no copy): earlier finished checks are
-    raised first. Nothing is queued inside CUDA-graph capture (the buffer goes back to the pool)."""
-    if torch.cuda.is_current_stream_capturing():
-        with _lock:
-            _free_buffers.setdefault(host.numel(), []).append(host)
-        return
+    raised first. Never inside CUDA-graph capture: the caller takes no buffer there (a replayed
+    graph must not write into a pooled buffer; ``ops.device_plan_loss``), so this does not ask
+    again (host time: one CUDA query per call)."""
     raise_pending_errors(wait=False)
     _remember(what, host, vocab_size, ignore_index, 0)
 

@@ -283,7 +283,7 @@ def fused_policy_loss(
     route = choose_route(facts, opts)
     call = _Call(cfg, batch, token_ids, vocab, logits, hidden, weight, bias, float(temperature), tp_group,
                  validate, inplace_backward, inv_dtype)  # fmt: skip
-    if torch.compiler.is_compiling():  # no recording (a thread-local side effect) in a traced frame
+    if facts.compiling:  # no recording (a thread-local side effect) in a traced frame
         out = ROUTES[route.key](route, call)
     else:
         route_log.note_route(route)
@@ -294,6 +294,9 @@ def fused_policy_loss(
 
 
 # -------------------------------------------------------------------------------- the builders
+ID_WHAT = "token_ids (at active mask positions)"  # the argument the id check's error names
+
+
 def _masked(call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, active)``: the masked ids of a host-plan or composed route (one launch on Triton)."""
     return token_loss.masked_token_ids(call.token_ids, call.batch.mask)
@@ -308,7 +311,7 @@ def _id_check(call: _Call, route: Route, active: torch.Tensor):
     if not call.validate or call.tp_group is not None or call.batch.cp is not None:
         return contextlib.nullcontext()
     return id_checks.token_ids_checked(
-        "token_ids (at active mask positions)", call.token_ids, call.vocab, None,
+        ID_WHAT, call.token_ids, call.vocab, None,
         defer=route.kernels != "reference", active=active,
     )  # fmt: skip
 
@@ -349,8 +352,8 @@ def _logits_token_device(route: Route, call: _Call) -> PolicyLossOutput:
         call.logits, plan, temperature=call.temperature, inplace_backward=call.inplace_backward,
         two_pass=route.passes == 2,
     )  # fmt: skip
-    lead = call.batch.token_shape
-    return _output(loss, logp.view(lead), entropy.view(lead) if plan.want_entropy else None, call.batch)
+    # flat [S·T]: the metrics (lazy) view them as the batch's tokens, no view op per call
+    return _output(loss, logp, entropy if plan.want_entropy else None, call.batch, flat=True)
 
 
 def _logits_token_host(route: Route, call: _Call) -> PolicyLossOutput:
@@ -464,11 +467,36 @@ def _logits_autograd(route: Route, call: _Call) -> PolicyLossOutput:
 def _hidden_token(route: Route, call: _Call) -> PolicyLossOutput:
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
+    from rlkernel.ops import _linear_rows as linear_rows  # (imports the kernels: not at module level)
     from rlkernel.ops._linear_function import fused_linear_token_loss
 
-    masked = _masked(call)
     batch = call.batch
     want_entropy = batch.cfg.entropy_coef != 0
+    # The id masking, padding compaction and the id check in one launch and one host read (the
+    # compaction's count with the check's two numbers), nothing host-bound before it; the plan is
+    # built lazily, on the first chunk's coefficients (below). Not with rollout rejection (the plan's
+    # ids drop tokens) or context parallelism (the plan's collectives first, on every rank).
+    rows = None
+    if batch.cfg.rollout_rs is None and batch.cp is None:
+        check_ids = call.validate and call.tp_group is None
+        rows = linear_rows.masked_active_rows(
+            call.token_ids, batch.mask, call.hidden, IGNORE_INDEX, call.vocab, check=check_ids
+        )
+    if rows is not None:
+        if check_ids:
+            defer = call.token_ids.is_cuda  # as _id_check: deferred on CUDA, raised here elsewhere
+            if rows.bad and not defer:  # the exact message (the kernel's first id is clamped to int32)
+                id_checks.check_token_ids(ID_WHAT, call.token_ids, call.vocab, None, defer=False,
+                                          active=rows.active)  # fmt: skip
+            id_checks.report_read(ID_WHAT, rows.bad, rows.first_key, call.vocab, None, defer=defer)
+        masked = (rows.ids, rows.active)  # (flat ids: the plan reads them flat)
+        outs = fused_linear_token_loss(
+            call.hidden, call.weight, call.bias, rows.ids, coef_fn=_lazy_coef_fn(batch, masked),
+            temperature=call.temperature, ignore_index=IGNORE_INDEX, with_entropy=want_entropy,
+            invariant_logits=call.invariant_logits, compaction=rows.compaction,
+        )  # fmt: skip
+        return _output(outs[0], outs[1], outs[2] if want_entropy else None, batch)
+    masked = _masked(call)
     if batch.cfg.rollout_rs is None and batch.cp is None:
         # The plan's ids are the masked ids: build the plan (~20 small launches of host time) on the
         # first chunk's coefficients, after that chunk's logits GEMM was queued, instead of before
@@ -501,10 +529,18 @@ ROUTES = {
 }
 
 
-def _output(loss, logp, entropy, batch: LossBatch) -> PolicyLossOutput:
+def _output(loss, logp, entropy, batch: LossBatch, flat: bool = False) -> PolicyLossOutput:
     """The fused result with lazy metrics: the composed algebra on the detached log-probs, so the
-    metrics equal the composed path's."""
-    return PolicyLossOutput(loss, compute_metrics=lambda: loss_from_batch(logp, entropy, batch).metrics)
+    metrics equal the composed path's (``flat``: ``logp``/``entropy`` ``[S·T]``, viewed as the
+    batch's tokens only when the metrics are read)."""
+
+    def metrics():
+        lp, en = logp, entropy
+        if flat:
+            lp, en = lp.view(batch.token_shape), None if en is None else en.view(batch.token_shape)
+        return loss_from_batch(lp, en, batch).metrics
+
+    return PolicyLossOutput(loss, compute_metrics=metrics)
 
 
 def _lazy_coef_fn(batch, masked_ids):
