@@ -33,6 +33,32 @@ from rlkernel.ops._logprobs_function import (
 )
 
 
+def keep_for_backward(ctx, logits, x, window, inplace_backward, plan, temperature, ids, lse, g_logp, entropy,
+                      g_entropy) -> None:  # fmt: skip
+    """What :meth:`DevicePlanLossFunction.backward` reads, saved by a 3-pass device-plan forward
+    (this module's, and ``ops.device_seq_plan``'s): ``logits`` as given to ``apply`` (the base of a
+    row window), ``x`` the rows the kernels read, the rows kernel's ``ids`` (flat), ``lse``,
+    ``g_logp`` and, with an entropy term, ``entropy`` and ``g_entropy``."""
+    want_entropy = plan.want_entropy
+    # A row window of the base: the backward runs over the base's rows (inputs flat, as made).
+    ctx.rows = None if window is None else window.rows(logits.shape)
+    ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
+    ctx.overwritten = False
+    ctx.window = window
+    saved = x if window is None else logits
+    ctx.save_for_backward(
+        saved.detach() if ctx.inplace_backward else saved,
+        ids if ctx.rows is not None else ids.view(x.shape[:-1]),
+        lse,
+        g_logp,
+        entropy if want_entropy else None,
+        g_entropy if want_entropy else None,
+    )
+    ctx.temperature = temperature
+    ctx.ignore_index = plan.ignore_index
+    ctx.set_materialize_grads(False)
+
+
 class DevicePlanLossFunction(torch.autograd.Function):
     """Three passes over the logits: forward = mask counts + the rows kernel (statistics, loss terms
     and the backward's inputs); backward = one gradient launch scaled by the upstream gradient (over
@@ -46,25 +72,9 @@ class DevicePlanLossFunction(torch.autograd.Function):
             x, plan, temperature=temperature, grad=None, row_layout=layout, host=host
         )
         _defer_id_check(plan, counts, host, x, what)
-        want_entropy = plan.want_entropy
-        # A row window of the base: the backward runs over the base's rows (inputs flat, as made).
-        ctx.rows = None if window is None else window.rows(logits.shape)
-        ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
-        ctx.overwritten = False
-        ctx.window = window
-        saved = x if window is None else logits
-        ctx.save_for_backward(
-            saved.detach() if ctx.inplace_backward else saved,
-            ids if ctx.rows is not None else ids.view(x.shape[:-1]),
-            lse,
-            g_logp,
-            entropy if want_entropy else None,
-            g_entropy if want_entropy else None,
-        )
-        ctx.temperature = temperature
-        ctx.ignore_index = plan.ignore_index
+        keep_for_backward(ctx, logits, x, window, inplace_backward, plan, temperature, ids, lse, g_logp,
+                          entropy, g_entropy)  # fmt: skip
         ctx.mark_non_differentiable(logp, entropy)
-        ctx.set_materialize_grads(False)
         return loss.view(()), logp, entropy
 
     @staticmethod

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from rlkernel.kernels import logprobs as kernels
 from rlkernel.kernels.seq_plan import seq_plan_forward
 from rlkernel.ops._logprobs_function import _base_and_window
-from rlkernel.ops.device_plan_loss import DevicePlanLossFunction, _addressed, _defer_id_check, _host_slot
+from rlkernel.ops.device_plan_loss import (
+    DevicePlanLossFunction,
+    _addressed,
+    _defer_id_check,
+    _host_slot,
+    keep_for_backward,
+)
 
 
 class DeviceSeqPlanLossFunction(DevicePlanLossFunction):
@@ -32,25 +37,9 @@ class DeviceSeqPlanLossFunction(DevicePlanLossFunction):
             x, plan, temperature=temperature, row_layout=layout, host=host
         )
         _defer_id_check(plan, counts, host, x, what)
-        want_entropy = plan.want_entropy
-        # A row window of the base: the backward runs over the base's rows (inputs flat, as made).
-        ctx.rows = None if window is None else window.rows(logits.shape)
-        ctx.inplace_backward = inplace_backward and kernels.can_write_in_place(x)
-        ctx.overwritten = False
-        ctx.window = window
-        saved = x if window is None else logits
-        ctx.save_for_backward(
-            saved.detach() if ctx.inplace_backward else saved,
-            ids if ctx.rows is not None else ids.view(x.shape[:-1]),
-            lse,
-            g_logp,
-            entropy if want_entropy else None,
-            g_entropy if want_entropy else None,
-        )
-        ctx.temperature = temperature
-        ctx.ignore_index = plan.ignore_index
+        keep_for_backward(ctx, logits, x, window, inplace_backward, plan, temperature, ids, lse, g_logp,
+                          entropy, g_entropy)  # fmt: skip
         ctx.mark_non_differentiable(logp, entropy)
-        ctx.set_materialize_grads(False)
         return loss.view(()), logp, entropy
 
 
