@@ -52,8 +52,10 @@ HEADLINE: tuple[Headline, ...] = (
              {"n_tokens": "min"}),  # fmt: skip
     Headline("linear", "ragged_logprobs_entropy_fwd_bwd", "log-probs + entropy from hidden states, fwd+bwd",
              {"n_tokens": "min"}),  # fmt: skip
-    Headline("invariant", "model_prefill", f"{_MODEL}, prefill"),
-    Headline("invariant", "model_decode", f"{_MODEL}, decode step"),
+    Headline("invariant_long", "model_long_train", f"{_MODEL}, training step, long context",
+             {"shape": "qwen3-8b-slice B=1 T=32768"}),  # fmt: skip
+    Headline("invariant_long", "model_long_decode", f"{_MODEL}, decode step, long cache",
+             {"shape": "qwen3-8b-slice B=1 cache=32768"}),  # fmt: skip
 )
 # The peers' columns: the implementation, and its header from the run's environment columns.
 PEERS = (
@@ -66,7 +68,7 @@ PEERS = (
 FLOOR = {"logits": "ceiling", "linear": "cublas_gemms"}
 
 
-SUITE_ORDER = ("logits", "linear", "invariant")  # the users' calls first; other suites after, by name
+SUITE_ORDER = ("logits", "linear", "invariant", "invariant_long")  # the users' calls first; other suites after, by name
 # The several-GPU suite: its rows have a section of their own on the results page (multigpu_section).
 MULTI_GPU = "multigpu"
 
