@@ -68,7 +68,8 @@ PEERS = (
 FLOOR = {"logits": "ceiling", "linear": "cublas_gemms"}
 
 
-SUITE_ORDER = ("logits", "linear", "invariant", "invariant_long")  # the users' calls first; other suites after, by name
+# The users' calls first; other suites after, by name.
+SUITE_ORDER = ("logits", "linear", "invariant", "invariant_long")
 # The several-GPU suite: its rows have a section of their own on the results page (multigpu_section).
 MULTI_GPU = "multigpu"
 
