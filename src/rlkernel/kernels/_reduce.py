@@ -90,3 +90,25 @@ def online_lse_step(x, m_i, l_i, s_i, inv_t, WITH_SUM_PZ: tl.constexpr):
         s_i = alpha * (s_i + d_fin * l_i) + tl.where(e > 0.0, e * zs, 0.0)
     l_i = alpha * l_i + e
     return m_new, l_i, s_i
+
+
+@triton.jit
+def last_program_sum(
+    counts_ptr, n_programs, terms_ptr, n_terms, loss_out_ptr, host_ptr, SUM_BLOCK: tl.constexpr,
+    HOST_COPY: tl.constexpr,
+):  # fmt: skip
+    """A loss without a reduction launch: each program calls this after storing its term; the last
+    to finish (an integer atomic on ``counts_ptr[1]``, acquire-release at GPU scope: every other
+    program's term is visible to it) sums the ``n_terms`` fp32 terms in a fixed order (blocks of
+    ``SUM_BLOCK`` in order, then ``pairwise_sum``), whichever program that is: deterministic. With
+    ``HOST_COPY`` it also copies the id check's two numbers (``counts_ptr[2:4]``) into the pinned
+    host buffer ``host_ptr`` (no copy launch)."""
+    if tl.atomic_add(counts_ptr + 1, 1) == n_programs - 1:
+        acc = tl.zeros((SUM_BLOCK,), dtype=tl.float32)
+        for start in range(0, n_terms, SUM_BLOCK):
+            offs = start + tl.arange(0, SUM_BLOCK)
+            acc += tl.load(terms_ptr + offs, mask=offs < n_terms, other=0.0, cache_modifier=".cg")
+        tl.store(loss_out_ptr, pairwise_sum(acc))
+        if HOST_COPY:
+            tl.store(host_ptr, tl.load(counts_ptr + 2, cache_modifier=".cg"))
+            tl.store(host_ptr + 1, tl.load(counts_ptr + 3, cache_modifier=".cg"))

@@ -32,7 +32,7 @@ import triton.language as tl
 from rlkernel._token_loss_plan import TokenLossPlan
 from rlkernel.kernels._launch import FP_FUSION
 from rlkernel.kernels._launch import device_guard as _device_guard
-from rlkernel.kernels._reduce import is_nonfinite, pairwise_sum
+from rlkernel.kernels._reduce import is_nonfinite, last_program_sum, pairwise_sum
 from rlkernel.kernels._token_loss_math import NO_KL, aggregation_weight, token_terms
 
 BLOCK = 1024
@@ -217,20 +217,9 @@ def _seq_token_loss_kernel(
                 tl.store(g_entropy_ptr + offs, tl.where(act, t_h, 0.0), mask=inside)
         tl.store(g_logp_ptr + offs, g, mask=inside)
     tl.store(partial_ptr + i, loss_seq + pairwise_sum(acc))
-    if FINISH:
-        # The loss without a reduction launch: the last program to finish (integer atomic, acquire-
-        # release at GPU scope: every other program's partial is visible to it) sums the partials
-        # in a fixed order, whichever program that is (deterministic), as kernels.token_loss_rows.
-        n_seqs = tl.num_programs(0)
-        if tl.atomic_add(counts_ptr + 1, 1) == n_seqs - 1:
-            total = tl.zeros([SUM_BLOCK], dtype=tl.float32)
-            for k in range(0, n_seqs, SUM_BLOCK):
-                offs = k + tl.arange(0, SUM_BLOCK)
-                total += tl.load(partial_ptr + offs, mask=offs < n_seqs, other=0.0, cache_modifier=".cg")
-            tl.store(loss_out_ptr, pairwise_sum(total))
-            if HOST_COPY:  # the id check's two numbers straight into pinned host memory: no copy launch
-                tl.store(host_ptr, tl.load(counts_ptr + 2, cache_modifier=".cg"))
-                tl.store(host_ptr + 1, tl.load(counts_ptr + 3, cache_modifier=".cg"))
+    if FINISH:  # the loss without a reduction launch (the last program sums the partials in order)
+        n = tl.num_programs(0)
+        last_program_sum(counts_ptr, n, partial_ptr, n, loss_out_ptr, host_ptr, SUM_BLOCK, HOST_COPY)
 
 
 def seq_token_loss_fwd(

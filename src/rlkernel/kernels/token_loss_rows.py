@@ -41,7 +41,7 @@ from rlkernel._token_loss_plan import COUNT_SEQS, COUNT_TOKENS, DevicePlan
 from rlkernel.kernels import logprobs as lp
 from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
-from rlkernel.kernels._reduce import pairwise_sum
+from rlkernel.kernels._reduce import last_program_sum
 from rlkernel.kernels._token_loss_math import token_terms
 from rlkernel.kernels.ids import NO_BAD_ID
 from rlkernel.kernels.logprobs import program_row, row_logprob_stats
@@ -185,18 +185,8 @@ def _device_rows_kernel(
         if BRANCH.HAS_ENTROPY:
             tl.store(g_entropy_ptr + row, tl.where(active, g_h, 0.0))
         tl.store(ids_out_ptr + row, y.to(tl.int32))
-    # The loss without a reduction launch: the last program to finish (integer atomic, acquire-
-    # release at GPU scope: every other program's row term is visible to it) sums the rows' terms
-    # in a fixed order, whichever program that is (deterministic).
-    if tl.atomic_add(counts_ptr + 1, 1) == n_programs - 1:
-        acc = tl.zeros((SUM_BLOCK,), dtype=tl.float32)
-        for start in range(0, n_rows, SUM_BLOCK):
-            offs = start + tl.arange(0, SUM_BLOCK)
-            acc += tl.load(loss_ptr + offs, mask=offs < n_rows, other=0.0, cache_modifier=".cg")
-        tl.store(loss_out_ptr, pairwise_sum(acc))
-        if HOST_COPY:  # the id check's two numbers straight into pinned host memory: no copy launch
-            tl.store(host_ptr, tl.load(counts_ptr + 2, cache_modifier=".cg"))
-            tl.store(host_ptr + 1, tl.load(counts_ptr + 3, cache_modifier=".cg"))
+    # The loss without a reduction launch (the last program sums the rows' terms in a fixed order).
+    last_program_sum(counts_ptr, n_programs, loss_ptr, n_rows, loss_out_ptr, host_ptr, SUM_BLOCK, HOST_COPY)
 
 
 _launch_counts = FastLauncher(_mask_counts_kernel)
