@@ -534,17 +534,9 @@ class DeviceSeqPlan(NamedTuple):
         self, counts: torch.Tensor, factor: torch.Tensor, zero_adv: torch.Tensor, absent: torch.Tensor
     ) -> TokenLossKernelInputs:
         """The policy-free token terms' pointers: ``zero_adv`` (fp32 ``[S]`` zeros, written by the
-        rows kernel) is the advantage of the policy-free plan's ``reinforce`` term (0: no term)."""
-        p = self.tokens
-        denom = counts if p.count != COUNT_NONE else p.denom
-        return TokenLossKernelInputs(
-            old=absent,
-            adv=zero_adv,
-            ref=p.ref if p.ref is not None else absent,
-            rollout_w=absent,
-            factor=factor if p.factor_per_seq else absent,
-            denom=denom if denom is not None else absent,
-        )
+        rows kernel) is the advantage of the policy-free plan's ``reinforce`` term (0: no term), which
+        has no old log-probs (the sequence kernel reads the call's)."""
+        return self.tokens.kernel_inputs(counts, factor, absent)._replace(old=absent, adv=zero_adv)
 
     def kernel_branches(self) -> TokenLossBranches:
         """The branches of the policy-free plan that ``plan_from_batch(..., policy_term=False)``

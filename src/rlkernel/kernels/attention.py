@@ -135,7 +135,6 @@ from rlkernel.kernels.attention_config import (  # noqa: F401 - re-exported
     launch_config,
 )
 from rlkernel.kernels.attention_split import (  # noqa: F401 - re-exported: the split policy's public names
-    MAX_SPLIT_KEYS,
     SPLIT_DECODE_CHOICES,
     _launch_combine,
     check_split_keys,
@@ -177,8 +176,8 @@ def _attend_block(
     k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
     s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
-    visible = keys[None, :] <= qpos[:, None]
     if DIAGONAL:
+        visible = keys[None, :] <= qpos[:, None]
         t = tl.where(visible, s * scale, float("-inf"))
     else:
         t = s * scale

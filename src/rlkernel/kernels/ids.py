@@ -28,6 +28,25 @@ NO_BAD_ID = 2**63 - 1
 _INT32_OFFSET = 2**31
 
 
+@triton.jit
+def bad_id_key(y, index):
+    """The first-bad key of id ``y`` (int64) at flat index ``index`` (int64): ``index`` in the high 32
+    bits, ``y`` clamped to int32 and offset by 2^31 in the low 32 (the module docstring's layout)."""
+    low = tl.minimum(tl.maximum(y, -2147483648), 2147483647) + 2147483648
+    return (index << 32) | low
+
+
+@triton.jit
+def count_bad_id(stats_ptr, row, y, active, vocab_size):
+    """The id check of one row's id ``y`` inside a row kernel: when active and outside
+    ``[0, vocab_size)``, count it and keep the smallest key (``stats_ptr``: the module docstring's
+    two int64, initialized to 0 and ``NO_BAD_ID``) by integer atomics: the result does not depend on
+    the programs' order."""
+    if active & ((y < 0) | (y >= vocab_size)):
+        tl.atomic_add(stats_ptr, 1)
+        tl.atomic_min(stats_ptr + 1, bad_id_key(y, row))
+
+
 @triton.jit(do_not_specialize=["vocab_size", "ignore_index"])
 def _bad_ids_kernel(
     # output
@@ -53,8 +72,7 @@ def _bad_ids_kernel(
     if HAS_ACTIVE:
         bad = bad & (tl.load(active_ptr + offs, mask=in_range, other=0) != 0)
     count = tl.sum(bad.to(tl.int64), axis=0)
-    low = tl.minimum(tl.maximum(y, -2147483648), 2147483647) + 2147483648
-    key = tl.min(tl.where(bad, (offs << 32) | low, 9223372036854775807), axis=0)
+    key = tl.min(tl.where(bad, bad_id_key(y, offs), 9223372036854775807), axis=0)
     if count > 0:
         tl.atomic_add(stats_ptr, count)
         tl.atomic_min(stats_ptr + 1, key)
@@ -204,8 +222,7 @@ def active_rows(
 def _bad_block(y, active, offs, vocab_size):
     """(count, first-bad key) of one block of ids (the module docstring's numbers; active only)."""
     bad = active & ((y < 0) | (y >= vocab_size))
-    low = tl.minimum(tl.maximum(y, -2147483648), 2147483647) + 2147483648
-    key = tl.min(tl.where(bad, (offs << 32) | low, 9223372036854775807), axis=0)
+    key = tl.min(tl.where(bad, bad_id_key(y, offs), 9223372036854775807), axis=0)
     return tl.sum(bad.to(tl.int64), axis=0), key
 
 

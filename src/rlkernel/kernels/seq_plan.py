@@ -41,20 +41,9 @@ from rlkernel.kernels import logprobs as lp
 from rlkernel.kernels import seq_token_loss as seq_kernels
 from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
+from rlkernel.kernels.ids import count_bad_id
 from rlkernel.kernels.logprobs import row_logprob_stats
 from rlkernel.kernels.token_loss_rows import COUNT_BLOCK, N_COUNTS, SUM_BLOCK, _mask_counts_kernel
-
-
-@triton.jit
-def count_bad_id(counts_ptr, row, raw, active, n_cols):
-    """The id check of one row (``kernels.ids``' layout at ``counts_ptr``: the count of active ids
-    outside [0, n_cols), then the smallest ``(row << 32) | (id + 2^31)`` key of one: the first bad
-    one), by integer atomics: the result does not depend on the programs' order."""
-    bad = active & ((raw < 0) | (raw >= n_cols))
-    if bad:
-        low = tl.minimum(tl.maximum(raw, -2147483648), 2147483647) + 2147483648
-        tl.atomic_add(counts_ptr, 1)
-        tl.atomic_min(counts_ptr + 1, (row << 32) | low)
 
 
 @triton.jit(do_not_specialize=["ignore_index"])

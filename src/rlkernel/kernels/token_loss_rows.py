@@ -43,7 +43,7 @@ from rlkernel.kernels._launch import FP_FUSION, FastLauncher
 from rlkernel.kernels._launch import device_guard as _device_guard
 from rlkernel.kernels._reduce import last_program_sum
 from rlkernel.kernels._token_loss_math import token_terms
-from rlkernel.kernels.ids import NO_BAD_ID
+from rlkernel.kernels.ids import NO_BAD_ID, count_bad_id
 from rlkernel.kernels.logprobs import program_row, row_logprob_stats
 from rlkernel.kernels.token_loss import row_grad_pass
 
@@ -160,11 +160,7 @@ def _device_rows_kernel(
     active = in_window & (tl.load(mask_ptr + row, mask=in_window, other=0) != 0)
     y = tl.where(active, tl.maximum(raw, -1), ignore_index)
     if CHECK_IDS:
-        bad = active & ((raw < 0) | (raw >= n_cols))
-        if bad:
-            low = tl.minimum(tl.maximum(raw, -2147483648), 2147483647) + 2147483648
-            tl.atomic_add(counts_ptr + 2, 1)
-            tl.atomic_min(counts_ptr + 3, (row << 32) | low)
+        count_bad_id(counts_ptr + 2, row, raw, active, n_cols)
     x_row = x_ptr + outer * stride_xb + inner * stride_xt
     inv_t = 1.0 / tl.cast(temperature, tl.float32)
     logp, lse, h = row_logprob_stats(
