@@ -91,7 +91,10 @@ def _mask_counts_kernel(
         for s in range(0, n_seqs):
             c = _active_count(mask_ptr + s * seq_len, seq_len, BLOCK)
             if FACTOR:
-                tl.store(factor_ptr + s, 1.0 / tl.maximum(c, 1).to(tl.float32))
+                # div_rn: the IEEE division of the host plan's torch op (a plain ``/`` compiles to
+                # the approximate div.full.f32 on the GPU: 1-ulp different factors for some n_s)
+                one = tl.cast(1.0, tl.float32)
+                tl.store(factor_ptr + s, tl.math.div_rn(one, tl.maximum(c, 1).to(tl.float32)))
             tokens += c
             seqs += (c > 0).to(tl.int64)
     if COUNT == _COUNT_SEQS:
