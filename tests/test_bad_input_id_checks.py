@@ -33,7 +33,7 @@ def pending(monkeypatch):
     fresh: list = []
     monkeypatch.setattr(deferred, "_pending", fresh)  # seam: isolate the process-wide list
     monkeypatch.setattr(deferred, "_free_buffers", {})  # seam: ... and its buffer pool
-    monkeypatch.setattr(deferred, "_free_events", [])  # seam: ... and its event pool
+    monkeypatch.setattr(deferred, "_free_events", {})  # seam: ... and its event pools (by device)
     return fresh
 
 

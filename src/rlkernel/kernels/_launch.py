@@ -71,7 +71,8 @@ def _descriptor_class(d) -> tuple:
 def _classes(args: tuple) -> list:
     """The specialization class of each runtime argument (hashable). Raises TypeError or
     AttributeError for a type other than int, float, tensor or host TMA descriptor (the caller then
-    takes Triton's own launch). One comprehension, no call per argument: this runs on every launch.
+    takes Triton's own launch). One comprehension, no call per argument: this runs on every launch,
+    so a plain ``torch.Tensor`` (most arguments) is tested first.
 
     An int in [-16, 16] stands for itself; a larger one maps to 100 + (multiple of 16) + 2 × (needs
     64 bits) + 4 × (needs unsigned 64 bits), so no class of one collides with a value of the other.
@@ -79,17 +80,20 @@ def _classes(args: tuple) -> list:
     :func:`_descriptor_class`; a (named) tuple, which Triton specializes element by element and
     passes flattened, to the tuple of its elements' classes."""
     return [
-        (a if -16 <= a <= 16 else 100 + (a & 15 == 0) + 2 * (not -2147483648 <= a <= 2147483647)
-         + 4 * (a > 9223372036854775807))
+        (a.dtype, a.data_ptr() & 15)
+        if type(a) is _Tensor
+        else (a if -16 <= a <= 16 else 100 + (a & 15 == 0) + 2 * (not -2147483648 <= a <= 2147483647)
+              + 4 * (a > 9223372036854775807))
         if type(a) is int
         else float if type(a) is float
         else _descriptor_class(a) if type(a) is _HostDescriptor
         else tuple(_classes(a)) if isinstance(a, tuple)
-        else (a.dtype, a.data_ptr() & 15)
+        else (a.dtype, a.data_ptr() & 15)  # a tensor subclass (a Parameter, ...)
         for a in args
     ]  # fmt: skip
 
 
+_Tensor = torch.Tensor
 _runtime_knobs = None
 
 

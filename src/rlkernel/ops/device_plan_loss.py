@@ -168,7 +168,7 @@ def _defer_id_check(
     if not plan.check_ids:
         return
     if host is not None:  # CUDA: the rows kernel's last program writes the result there
-        id_checks.defer_written(what, host, x.shape[-1], None)
+        id_checks.defer_written(what, host, x.shape[-1], None, x.get_device())
     else:  # the CPU interpreter: read now, raise here
         id_checks.defer_result(what, counts, x.shape[-1], None, offset=2)
 
