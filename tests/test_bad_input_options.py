@@ -16,7 +16,7 @@ COVERED = [rk.use_options, rk.Options, rk.MatmulThresholds, rk.current_options]
 def test_defaults_are_the_documented_ones():
     opts = rk.current_options()
     assert opts == rk.Options()
-    assert opts.matmul_table == "tuned" and opts.grad_in_forward_max_vocab == 65536
+    assert opts.matmul_table == "tuned" and opts.grad_in_forward_max_vocab == 262144
     assert opts.linear_chunk_bytes == 1280 << 20 and opts.linear_logits_dtype == "fp32"
 
 
@@ -101,12 +101,12 @@ def test_options_under_torch_compile_are_guarded():
 
     compiled = torch.compile(f, backend="eager", fullgraph=True)
     x = torch.ones(2)
-    assert compiled(x).tolist() == [65536.0, 65536.0]
+    assert compiled(x).tolist() == [262144.0, 262144.0]
     with rk.use_options(grad_in_forward_max_vocab=3):
         assert compiled(x).tolist() == [3.0, 3.0]
         with rk.use_options(grad_in_forward_max_vocab=5):
             assert compiled(x).tolist() == [5.0, 5.0]
-    assert compiled(x).tolist() == [65536.0, 65536.0]
+    assert compiled(x).tolist() == [262144.0, 262144.0]
 
 
 def _holding(cm_factory, read):
@@ -152,9 +152,9 @@ def test_use_options_out_of_order_under_torch_compile():
     b = _holding(lambda: rk.use_options(linear_chunk_bytes=4096), lambda: compiled(x).item())
     assert next(a) == 3.0 and next(b) == 3.0
     a.close()
-    assert compiled(x).item() == 65536.0 and rk.current_options().linear_chunk_bytes == 4096
+    assert compiled(x).item() == 262144.0 and rk.current_options().linear_chunk_bytes == 4096
     b.close()
-    assert compiled(x).item() == 65536.0 and rk.current_options() == rk.Options()
+    assert compiled(x).item() == 262144.0 and rk.current_options() == rk.Options()
 
 
 def test_use_backend_blocks_ending_out_of_order():

@@ -89,7 +89,7 @@ def _supported_features() -> dict[str, re.Pattern]:
 
 
 def test_gradient_in_forward_is_described_as_on_by_default():
-    assert rk.Options().grad_in_forward_max_vocab == 65536  # the default the docs state
+    assert rk.Options().grad_in_forward_max_vocab == 262144  # the default the docs state
     mentions = 0
     for path in _sources():
         for para in _paragraphs(path.read_text()):

@@ -126,7 +126,7 @@ class Options:
     matmul_thresholds: MatmulThresholds = MatmulThresholds()
     invariant_backward: InvariantBackward = "kernel"
     token_level_fusion: bool = True
-    grad_in_forward_max_vocab: int = 65536
+    grad_in_forward_max_vocab: int = 262144
     linear_logits_dtype: LogitsDtype = "fp32"
     linear_dweight_accum: DweightAccum = "fp32"
     linear_head_gemm: LinearHeadGemm = "auto"

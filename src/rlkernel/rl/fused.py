@@ -16,7 +16,7 @@ maps each route to its builder; ``out.route`` says which ran; docs/api/routes.md
   the device-built plan (``ops.device_plan_loss``: mask counts + one row kernel forward, one launch
   backward); the rest a plan of per-token constants built with torch ops (log-prob kernel, plan,
   token-loss kernel; one backward launch). For V <= the option ``grad_in_forward_max_vocab``
-  (65,536 by default; 0 turns it off), when the logits require grad and ``inplace_backward`` is
+  (262,144 by default; 0 turns it off), when the logits require grad and ``inplace_backward`` is
   off, the gradient is written during the forward (2 passes over the logits) and the backward only
   rescales it. Inside ``torch.compile``: one registered custom op.
 * Every other objective from logits on the Triton backend with a gradient to compute: the same two
