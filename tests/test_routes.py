@@ -39,7 +39,12 @@ def facts(**kw) -> RouteFacts:
 
 
 CASES = [
-    ("dapo, padded, large V", facts(), Route("logits", "token", "triton", passes=3, plan="device")),
+    ("dapo, padded, V = 151,936: 2 passes", facts(), Route("logits", "token", "triton", 2, "device")),
+    (
+        "V above grad_in_forward_max_vocab: 3 passes",
+        facts(vocab=300_000),
+        Route("logits", "token", "triton", passes=3, plan="device"),
+    ),
     ("small V: gradient in forward", facts(vocab=32_768), Route("logits", "token", "triton", 2, "device")),
     (
         "in place: 3 passes",
@@ -47,7 +52,7 @@ CASES = [
         Route("logits", "token", "triton", 3, "device"),
     ),
     ("no grad", facts(needs_grad=False), Route("logits", "token", "triton", passes=1, plan="device")),
-    ("packed / rollout correction", facts(device_plan=False), Route("logits", "token", "triton", 3, "host")),
+    ("packed / rollout correction", facts(device_plan=False), Route("logits", "token", "triton", 2, "host")),
     ("compiled", facts(compiling=True), Route("logits", "token", "compiled", passes=3, plan="host")),
     ("gspo", facts(token_level=False, closed_form=True), Route("logits", "sequence", "triton", 3, "device")),
     (
