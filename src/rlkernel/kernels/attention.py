@@ -95,9 +95,11 @@ Caveats:
       made ptxas serialize every wgmma of the kernel (C7514), and with the merge moved after the
       next QK product it put spill reloads in the loop body (+38 instructions per block).
     * The forward runs one warpgroup per program (64 rows, 4 warps, 3 stages): 255 registers with a
-      ~400-byte stack per thread on sm_90, two programs per SM. H100 (2026-11-28): 0.65-0.72x
-      SDPA's speed at T >= 8192 (benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log): softmax
-      and MMAs do not overlap (no warp specialization) — what stands between it and SDPA.
+      ~180-byte stack per thread on sm_90 (Triton 3.9, static; ~400 bytes before the row and key
+      indices were int32), two programs per SM (shared memory allows two either way). H100
+      (2026-11-28): 0.65-0.72x SDPA's speed at T >= 8192
+      (benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log): softmax and MMAs do not overlap
+      (no warp specialization) — what stands between it and SDPA.
     * FP contraction is off in the forward kernels: c·(q·k) − m is a multiply and a subtract
       rather than one fma (slightly more ALU work per score; the MMAs and exp2 dominate).
     * fp32 inputs use IEEE fp32 dots (no tf32): accuracy over speed for the fp32 path.
