@@ -95,9 +95,11 @@ Caveats:
       made ptxas serialize every wgmma of the kernel (C7514), and with the merge moved after the
       next QK product it put spill reloads in the loop body (+38 instructions per block).
     * The forward runs one warpgroup per program (64 rows, 4 warps, 3 stages): 255 registers with a
-      ~400-byte stack per thread on sm_90, two programs per SM. H100 (2026-11-28): 0.65-0.72x
-      SDPA's speed at T >= 8192 (benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log): softmax
-      and MMAs do not overlap (no warp specialization) — what stands between it and SDPA.
+      ~180-byte stack per thread on sm_90 (Triton 3.9, static; ~400 bytes before the row and key
+      indices were int32), two programs per SM (shared memory allows two either way). H100
+      (2026-11-28): 0.65-0.72x SDPA's speed at T >= 8192
+      (benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log): softmax and MMAs do not overlap
+      (no warp specialization) — what stands between it and SDPA.
     * FP contraction is off in the forward kernels: c·(q·k) − m is a multiply and a subtract
       rather than one fma (slightly more ALU work per score; the MMAs and exp2 dominate).
     * fp32 inputs use IEEE fp32 dots (no tf32): accuracy over speed for the fp32 path.
@@ -168,13 +170,17 @@ def _attend_block(
     block (not DIAGONAL) is seen whole by every row of the tile, so its keys are all below len_k
     and the causal ``where`` would keep every score: it is skipped there (same values, less ALU
     work per score and no per-key load predicate)."""
-    keys = start + tl.arange(0, BLOCK_N)
+    # ``start`` is int64, the loop's induction variable: the row offsets below stay affine in it, so
+    # the compiler advances the load addresses by a stride per block instead of recomputing 64-bit
+    # products; the masks compare int32 keys (positions in a sequence fit int32).
+    rows_kv = start + tl.arange(0, BLOCK_N)
+    keys = rows_kv.to(tl.int32)
     if DIAGONAL:
         kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
     else:
         kv_ok = mask_d[None, :]  # the d mask alone, broadcast over the keys
-    k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = tl.load(k_base + rows_kv[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_base + rows_kv[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
     s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
     if DIAGONAL:
         visible = keys[None, :] <= qpos[:, None]
@@ -216,8 +222,9 @@ def _attend_range(
     INTERPRETED: tl.constexpr,
     DIAGONAL: tl.constexpr,
 ):
-    """The state (m, l, acc) continued over the key blocks [lo, lo+BN), … below ``hi``, in order."""
-    for start in range(lo, hi, BLOCK_N):
+    """The state (m, l, acc) continued over the key blocks [lo, lo+BN), … below ``hi``, in order
+    (``lo``, ``hi``: int32 key positions; the loop runs in int64, see ``_attend_block``)."""
+    for start in range(tl.cast(lo, tl.int64), tl.cast(hi, tl.int64), BLOCK_N):
         m_i, l_i, acc = _attend_block(
             m_i, l_i, acc, q, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d, qpos, start, len_k,
             scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, DIAGONAL,
@@ -367,7 +374,10 @@ def _attn_fwd_kernel(
     in order, each merged into the running state, then out and lse2. Split-decode (True): program
     (row tile, split) computes that one split's state and stores it in fp32 for
     ``_attn_combine_kernel``."""
-    pid0 = tl.program_id(0).to(tl.int64)
+    # int32 row, query and key indices (a sequence's rows and keys fit int32): on sm_90 the int64
+    # ones cost registers held across the block loops (stack spills around them) and int64 compares
+    # in the diagonal blocks. Offsets are widened where they are formed (``.to(tl.int64)``).
+    pid0 = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     if WRITE_PARTIAL:
         pid_m = pid0 // n_splits
@@ -391,7 +401,7 @@ def _attn_fwd_kernel(
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
         v_base = v_ptr + b * stride_vb + k_tok0 * stride_vt + hk * stride_vh
         q = tl.load(
-            q_base + qi[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
+            q_base + qi.to(tl.int64)[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
             mask=row_ok[:, None] & mask_d[None, :],
             other=0.0,
         )
@@ -413,10 +423,11 @@ def _attn_fwd_kernel(
                 )  # fmt: skip
                 n_q_heads = n_kv_heads * group
                 flat = q_row0 + qi
-                ml = part_ml_ptr + (split * 2 * n_q_heads + hq) * total_q + flat
+                split64 = split.to(tl.int64)
+                ml = part_ml_ptr + (split64 * 2 * n_q_heads + hq) * total_q + flat
                 tl.store(ml, m_s, mask=row_ok)
                 tl.store(ml + n_q_heads * total_q, l_s, mask=row_ok)
-                pa = part_acc_ptr + ((split * total_q + flat) * n_q_heads + hq) * head_dim
+                pa = part_acc_ptr + ((split64 * total_q + flat) * n_q_heads + hq) * head_dim
                 tl.store(pa[:, None] + offs_d[None, :], acc_s, mask=row_ok[:, None] & mask_d[None, :])
         else:
             # The tile's key blocks, anchored at ks, in order (see the module header), merged split by
@@ -437,7 +448,7 @@ def _attn_fwd_kernel(
                 lse_ptr,
                 total_q,
                 q_row0 + qi,
-                qi,
+                qi.to(tl.int64),
                 hq,
                 offs_d,
                 mask_d,
