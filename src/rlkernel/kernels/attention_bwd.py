@@ -121,17 +121,20 @@ def _dkdv_block(
     """The contribution of queries [m0, m0 + BM) of q head ``hq`` to a key block's (dK, dV).
     DIAGONAL: some of those queries do not see some of the keys (see the module header). MASKED:
     the causal/range ``where`` on P; off only for a plain block whose queries are all below len_q
-    (every pair visible: the ``where`` would keep every value)."""
-    qi = m0 + tl.arange(0, BLOCK_M)
+    (every pair visible: the ``where`` would keep every value). ``m0`` is int64, the loop's induction
+    variable: the row offsets stay affine in it (the load addresses advance by a stride per block);
+    the masks compare int32 queries and keys (positions in a sequence fit int32)."""
+    rows_q = m0 + tl.arange(0, BLOCK_M)
+    qi = rows_q.to(tl.int32)
     q_ok = qi < len_q
     ld = q_ok[:, None] & mask_d[None, :]
-    q = tl.load(q_base + qi[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0)
-    do = tl.load(do_base + qi[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0)
+    q = tl.load(q_base + rows_q[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0)
+    do = tl.load(do_base + rows_q[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0)
     if DIAGONAL:  # one copy of each, finite; the pairs that see a bad row get NaN P below
         q, q_bad = _non_finite(q)
         do, do_bad = _non_finite(do)
-    lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
-    delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
+    lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=0.0)
     s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(s_t * scale - lse[None, :])
     if MASKED or DIAGONAL:
@@ -202,7 +205,10 @@ def _attn_bwd_dkdv_kernel(
 ):
     """dK, dV of one key block of one kv head: Σ over the group's q heads (in order g = 0..G−1)
     and over the query blocks that see the block (in order), accumulated in fp32 registers."""
-    pid_n = tl.program_id(0).to(tl.int64)
+    # int32 query and key indices (a sequence's queries and keys fit int32): on sm_90 int64 ones cost
+    # registers held across the query-block loops and int64 compares in the masks. Offsets are
+    # widened where they are formed (``.to(tl.int64)``); the query-block loops run in int64.
+    pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
@@ -217,8 +223,9 @@ def _attn_bwd_dkdv_kernel(
         kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
         v_base = v_ptr + b * stride_vb + k_tok0 * stride_vt + hk * stride_vh
-        k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+        rows_k = keys.to(tl.int64)
+        k = tl.load(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         scale = tl.cast(qk_scale, tl.float32)
@@ -233,19 +240,20 @@ def _attn_bwd_dkdv_kernel(
         qi_whole = tl.maximum(qi_mid + tl.maximum(len_q - qi_mid, 0) // BLOCK_M * BLOCK_M, qi_mid)
         for g in range(0, group):
             hq = hk * group + g
-            for m0 in range(qi_lo, tl.minimum(qi_mid, len_q), BLOCK_M):
+            for m0 in range(tl.cast(qi_lo, tl.int64), tl.cast(tl.minimum(qi_mid, len_q), tl.int64), BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
                     BLOCK_M, INPUT_PRECISION, INTERPRETED, True, True,
                 )  # fmt: skip
-            for m0 in range(qi_mid, qi_whole, BLOCK_M):
+            for m0 in range(tl.cast(qi_mid, tl.int64), tl.cast(qi_whole, tl.int64), BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
                     BLOCK_M, INPUT_PRECISION, INTERPRETED, False, False,
                 )  # fmt: skip
-            for m0 in range(qi_whole, len_q, BLOCK_M):  # the last query block, partly past len_q
+            # the last query block, partly past len_q
+            for m0 in range(tl.cast(qi_whole, tl.int64), tl.cast(len_q, tl.int64), BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
@@ -255,10 +263,10 @@ def _attn_bwd_dkdv_kernel(
         dk_base = dk_ptr + b * stride_dkb + k_tok0 * stride_dkt + hk * stride_dkh
         dv_base = dv_ptr + b * stride_dvb + k_tok0 * stride_dvt + hk * stride_dvh
         tl.store(
-            dk_base + keys[:, None] * stride_dkt + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_ok
+            dk_base + rows_k[:, None] * stride_dkt + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_ok
         )
         tl.store(
-            dv_base + keys[:, None] * stride_dvt + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok
+            dv_base + rows_k[:, None] * stride_dvt + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok
         )
 
 
