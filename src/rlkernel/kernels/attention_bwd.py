@@ -296,11 +296,14 @@ def _dq_block(
     """The contribution of key block [start, start + BN) to a query block's dQ. DIAGONAL: some of
     the queries do not see some of the keys (see the module header). A plain block's keys are all
     seen by every query row of the block, so P takes no ``where`` there; the block's rows past
-    len_q (q = 0, lse = +inf) are never stored, and a row's dQ depends on no other row."""
-    keys = start + tl.arange(0, BLOCK_N)
+    len_q (q = 0, lse = +inf) are never stored, and a row's dQ depends on no other row. ``start`` is
+    int64, the loop's induction variable (the load addresses advance by a stride per block); the
+    masks compare int32 keys."""
+    rows_kv = start + tl.arange(0, BLOCK_N)
+    keys = rows_kv.to(tl.int32)
     kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
-    k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = tl.load(k_base + rows_kv[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_base + rows_kv[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
     if DIAGONAL:  # one copy, finite; the pairs that see a bad key get NaN P below
         k, k_bad = _non_finite(k)
     s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
@@ -373,7 +376,8 @@ def _attn_bwd_dq_kernel(
     which reads it, so that dO and O are read once for it (no fp32 copies). Programs are
     numbered last query block first: the causal work grows with the block, so the longest start
     first and the short ones fill the tail."""
-    pid_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
+    # int32 query and key indices, the key-block loops in int64 (see ``_attn_bwd_dkdv_kernel``).
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     n_q_heads = n_kv_heads * group
     b = pid_bh // n_q_heads
@@ -387,17 +391,18 @@ def _attn_bwd_dq_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < head_dim
         qi = m0 + tl.arange(0, BLOCK_M)
+        rows_q = qi.to(tl.int64)
         q_ok = qi < len_q
         ld = q_ok[:, None] & mask_d[None, :]
         q_base = q_ptr + b * stride_qb + q_tok0 * stride_qt + hq * stride_qh
         do_base = do_ptr + b * stride_dob + q_tok0 * stride_dot + hq * stride_doh
-        q = tl.load(q_base + qi[:, None] * stride_qt + offs_d[None, :], mask=ld, other=0.0)
-        do = tl.load(do_base + qi[:, None] * stride_dot + offs_d[None, :], mask=ld, other=0.0)
-        lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
+        q = tl.load(q_base + rows_q[:, None] * stride_qt + offs_d[None, :], mask=ld, other=0.0)
+        do = tl.load(do_base + rows_q[:, None] * stride_dot + offs_d[None, :], mask=ld, other=0.0)
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=float("inf"))
         o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot + hq * stride_oh
-        o = tl.load(o_base + qi[:, None] * stride_ot + offs_d[None, :], mask=ld, other=0.0)
+        o = tl.load(o_base + rows_q[:, None] * stride_ot + offs_d[None, :], mask=ld, other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO·O), fp32
-        tl.store(delta_ptr + hq * total_q + q_row0 + qi, delta, mask=q_ok)
+        tl.store(delta_ptr + hq * total_q + q_row0 + rows_q, delta, mask=q_ok)
         qpos = len_k - len_q + qi
         key_end = len_k - len_q + tl.minimum(m0 + BLOCK_M, len_q)
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
@@ -407,12 +412,12 @@ def _attn_bwd_dq_kernel(
         # Key blocks below key_mid are seen whole by every query of the block (the first sits at
         # key position len_k − len_q + m0).
         key_mid = ks + tl.maximum(len_k - len_q + m0 + 1 - ks, 0) // BLOCK_N * BLOCK_N
-        for start in range(ks, key_mid, BLOCK_N):
+        for start in range(tl.cast(ks, tl.int64), tl.cast(key_mid, tl.int64), BLOCK_N):
             dq = _dq_block(
                 dq, q, do, lse, delta, qpos, q_ok, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d,
                 start, len_k, scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, False,
             )  # fmt: skip
-        for start in range(key_mid, key_end, BLOCK_N):
+        for start in range(tl.cast(key_mid, tl.int64), tl.cast(key_end, tl.int64), BLOCK_N):
             dq = _dq_block(
                 dq, q, do, lse, delta, qpos, q_ok, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d,
                 start, len_k, scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, True,
@@ -420,7 +425,7 @@ def _attn_bwd_dq_kernel(
         dq = dq * sm_scale
         dq_base = dq_ptr + b * stride_dqb + q_tok0 * stride_dqt + hq * stride_dqh
         tl.store(
-            dq_base + qi[:, None] * stride_dqt + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=ld
+            dq_base + rows_q[:, None] * stride_dqt + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=ld
         )
 
 
