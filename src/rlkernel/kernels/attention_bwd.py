@@ -123,23 +123,35 @@ def _dkdv_block(
     the causal/range ``where`` on P; off only for a plain block whose queries are all below len_q
     (every pair visible: the ``where`` would keep every value). ``m0`` is int64, the loop's induction
     variable: the row offsets stay affine in it (the load addresses advance by a stride per block);
-    the masks compare int32 queries and keys (positions in a sequence fit int32)."""
+    the masks compare int32 queries and keys (positions in a sequence fit int32). A plain block's
+    queries are all below len_q: its loads take the d mask alone (no per-query predicate)."""
     rows_q = m0 + tl.arange(0, BLOCK_M)
     qi = rows_q.to(tl.int32)
-    q_ok = qi < len_q
-    ld = q_ok[:, None] & mask_d[None, :]
+    if MASKED or DIAGONAL:
+        q_ok = qi < len_q
+        ld = q_ok[:, None] & mask_d[None, :]
+    else:
+        ld = mask_d[None, :]  # the d mask alone, broadcast over the queries
     q = tl.load(q_base + rows_q[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0)
     do = tl.load(do_base + rows_q[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0)
     if DIAGONAL:  # one copy of each, finite; the pairs that see a bad row get NaN P below
         q, q_bad = _non_finite(q)
         do, do_bad = _non_finite(do)
-    lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=float("inf"))
-    delta = tl.load(delta_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=0.0)
+    if MASKED or DIAGONAL:
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q)
+        delta = tl.load(delta_ptr + hq * total_q + q_row0 + rows_q)
     s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(s_t * scale - lse[None, :])
-    if MASKED or DIAGONAL:
+    if DIAGONAL:
         visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
         p_t = tl.where(visible, p_t, 0.0)
+    elif MASKED:
+        # Past the diagonal every query sees every real key of the block: the causal compare could
+        # only drop keys past len_k, whose rows of dK/dV are never stored (as in a plain block).
+        p_t = tl.where(q_ok[None, :], p_t, 0.0)
     if DIAGONAL:
         p_t = tl.where(visible & (q_bad | do_bad)[None, :], float("nan"), p_t)
     dv = dot(p_t.to(do_base.dtype.element_ty), do, dv, INPUT_PRECISION, INTERPRETED)
@@ -298,10 +310,14 @@ def _dq_block(
     seen by every query row of the block, so P takes no ``where`` there; the block's rows past
     len_q (q = 0, lse = +inf) are never stored, and a row's dQ depends on no other row. ``start`` is
     int64, the loop's induction variable (the load addresses advance by a stride per block); the
-    masks compare int32 keys."""
+    masks compare int32 keys. A plain block's keys are all below len_k: its loads take the d mask
+    alone (no per-key predicate)."""
     rows_kv = start + tl.arange(0, BLOCK_N)
     keys = rows_kv.to(tl.int32)
-    kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+    if DIAGONAL:
+        kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+    else:
+        kv_ok = mask_d[None, :]  # the d mask alone, broadcast over the keys
     k = tl.load(k_base + rows_kv[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(v_base + rows_kv[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
     if DIAGONAL:  # one copy, finite; the pairs that see a bad key get NaN P below
