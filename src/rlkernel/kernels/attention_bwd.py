@@ -121,28 +121,34 @@ def _dkdv_block(
     """The contribution of queries [m0, m0 + BM) of q head ``hq`` to a key block's (dK, dV).
     DIAGONAL: some of those queries do not see some of the keys (see the module header). MASKED:
     the causal/range ``where`` on P; off only for a plain block whose queries are all below len_q
-    (every pair visible: the ``where`` would keep every value). ``m0`` is int64, the loop's induction
-    variable: the row offsets stay affine in it (the load addresses advance by a stride per block);
-    the masks compare int32 queries and keys (positions in a sequence fit int32). A plain block's
-    queries are all below len_q: its loads take the d mask alone (no per-query predicate)."""
-    rows_q = m0 + tl.arange(0, BLOCK_M)
-    qi = rows_q.to(tl.int32)
+    (every pair visible: the ``where`` would keep every value).
+
+    Addressing: ``m0`` is int64, the loop's induction variable; the block's first row is addressed
+    in int64 (a scalar per block) and its elements by int32 offsets from there, loop invariants
+    (``_int32_rows`` makes them fit): on sm_90 each thread's 8 q and 8 dO row offsets then take 16
+    registers instead of 32 (the int64 form spilled in the loop at D = 128). The masks compare
+    int32 queries and keys (positions in a sequence fit int32). A plain block's queries are all
+    below len_q: its loads take the d mask alone (no per-query predicate)."""
+    r = tl.arange(0, BLOCK_M)
+    qi = tl.cast(m0, tl.int32) + r
     if MASKED or DIAGONAL:
         q_ok = qi < len_q
         ld = q_ok[:, None] & mask_d[None, :]
     else:
         ld = mask_d[None, :]  # the d mask alone, broadcast over the queries
-    q = tl.load(q_base + rows_q[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0)
-    do = tl.load(do_base + rows_q[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0)
+    q_blk = q_base + hq * stride_qh + m0 * stride_qt
+    do_blk = do_base + hq * stride_doh + m0 * stride_dot
+    q = tl.load(q_blk + (r[:, None] * stride_qt + offs_d[None, :]), mask=ld, other=0.0)
+    do = tl.load(do_blk + (r[:, None] * stride_dot + offs_d[None, :]), mask=ld, other=0.0)
     if DIAGONAL:  # one copy of each, finite; the pairs that see a bad row get NaN P below
         q, q_bad = _non_finite(q)
         do, do_bad = _non_finite(do)
     if MASKED or DIAGONAL:
-        lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=float("inf"))
-        delta = tl.load(delta_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=0.0)
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + m0 + r, mask=q_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + hq * total_q + q_row0 + m0 + r, mask=q_ok, other=0.0)
     else:
-        lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q)
-        delta = tl.load(delta_ptr + hq * total_q + q_row0 + rows_q)
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + m0 + r)
+        delta = tl.load(delta_ptr + hq * total_q + q_row0 + m0 + r)
     s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(s_t * scale - lse[None, :])
     if DIAGONAL:
@@ -275,10 +281,14 @@ def _attn_bwd_dkdv_kernel(
         dk_base = dk_ptr + b * stride_dkb + k_tok0 * stride_dkt + hk * stride_dkh
         dv_base = dv_ptr + b * stride_dvb + k_tok0 * stride_dvt + hk * stride_dvh
         tl.store(
-            dk_base + rows_k[:, None] * stride_dkt + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_ok
+            dk_base + rows_k[:, None] * stride_dkt + offs_d[None, :],
+            dk.to(dk_ptr.dtype.element_ty),
+            mask=kv_ok,
         )
         tl.store(
-            dv_base + rows_k[:, None] * stride_dvt + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok
+            dv_base + rows_k[:, None] * stride_dvt + offs_d[None, :],
+            dv.to(dv_ptr.dtype.element_ty),
+            mask=kv_ok,
         )
 
 
@@ -309,17 +319,19 @@ def _dq_block(
     the queries do not see some of the keys (see the module header). A plain block's keys are all
     seen by every query row of the block, so P takes no ``where`` there; the block's rows past
     len_q (q = 0, lse = +inf) are never stored, and a row's dQ depends on no other row. ``start`` is
-    int64, the loop's induction variable (the load addresses advance by a stride per block); the
-    masks compare int32 keys. A plain block's keys are all below len_k: its loads take the d mask
-    alone (no per-key predicate)."""
-    rows_kv = start + tl.arange(0, BLOCK_N)
-    keys = rows_kv.to(tl.int32)
+    int64, the loop's induction variable: the block's first key is addressed in int64, its elements
+    by int32 offsets from there (as in ``_dkdv_block``); the masks compare int32 keys. A plain
+    block's keys are all below len_k: its loads take the d mask alone (no per-key predicate)."""
+    r = tl.arange(0, BLOCK_N)
+    keys = tl.cast(start, tl.int32) + r
     if DIAGONAL:
         kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
     else:
         kv_ok = mask_d[None, :]  # the d mask alone, broadcast over the keys
-    k = tl.load(k_base + rows_kv[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(v_base + rows_kv[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+    k_blk = k_base + start * stride_kt
+    v_blk = v_base + start * stride_vt
+    k = tl.load(k_blk + (r[:, None] * stride_kt + offs_d[None, :]), mask=kv_ok, other=0.0)
+    v = tl.load(v_blk + (r[:, None] * stride_vt + offs_d[None, :]), mask=kv_ok, other=0.0)
     if DIAGONAL:  # one copy, finite; the pairs that see a bad key get NaN P below
         k, k_bad = _non_finite(k)
     s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
@@ -445,6 +457,31 @@ def _attn_bwd_dq_kernel(
         )
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _int32_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (``[..., tokens, heads, D]``, unit last stride) such that the element offsets of a block
+    of ``rows`` tokens from the block's first one in the same head, ``r · stride_t + d`` (r < rows,
+    d < BLOCK_D), fit int32: the backward's loops form them in int32 (the block's first element is
+    addressed in int64; on sm_90 int64 offsets cost registers, spilled in the dK/dV loop). A token
+    stride too large for that (a view into a much larger tensor) is made contiguous: same values.
+    Raises ValueError if even the contiguous layout does not fit."""
+
+    def fits(x: torch.Tensor) -> bool:
+        return (rows - 1) * x.stride(-3) + _block_d(x.shape[-1]) - 1 <= _INT32_MAX
+
+    if fits(t):
+        return t
+    t = t.contiguous()
+    if not fits(t):
+        raise ValueError(
+            f"attention backward: {rows} tokens of {t.shape[-2]} heads x {t.shape[-1]} elements exceed "
+            "int32 offsets"
+        )
+    return t
+
+
 def attention_bwd(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -477,6 +514,9 @@ def attention_bwd(
     out = _unit_last(out)
     delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     cfg = config or bwd_config(d, q.dtype)
+    # The loops address a block's tokens by int32 offsets from its first one (see ``_int32_rows``).
+    q, do = _int32_rows(q, cfg.dkdv.block_m), _int32_rows(do, cfg.dkdv.block_m)
+    k, v = _int32_rows(k, cfg.dq.block_n), _int32_rows(v, cfg.dq.block_n)
     max_len_k = seqlen_k
     if packed:
         max_len_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item())
