@@ -297,6 +297,47 @@ def test_backward_packed(monkeypatch):
         assert (a - w).norm() <= 1e-4 * w.norm()
 
 
+def test_backward_strided_views_same_bits(monkeypatch):
+    # The backward kernels address a block's tokens by int32 offsets from its first one, scaled by
+    # the token stride: q, k, v sliced from one fused projection (token stride (Hq + 2·Hkv)·D) and a
+    # grad whose token stride is D take the same bits as contiguous copies.
+    monkeypatch.setenv("RLKERNEL_BACKEND", "triton")
+    b, t, hq, hkv, d = 2, 21, 4, 2, 16
+    g = randn(b, hq, t, d, dtype=torch.bfloat16, seed=3).transpose(1, 2)
+    starts = torch.tensor([0, 5], device=DEVICE)
+
+    def grads(qkv, grad):
+        qkv = qkv.detach().clone().requires_grad_(True)
+        q, k, v = qkv[:, :, :hq], qkv[:, :, hq : hq + hkv], qkv[:, :, hq + hkv :]
+        attention(q, k, v, key_start=starts).backward(grad)
+        return qkv.grad
+
+    qkv = randn(b, t, hq + 2 * hkv, d, dtype=torch.bfloat16)
+    got = grads(qkv, g)
+    want = torch.cat(
+        _grads(lambda q, k, v: attention(q, k, v, key_start=starts), *(
+            x.contiguous() for x in (qkv[:, :, :hq], qkv[:, :, hq : hq + hkv], qkv[:, :, hq + hkv :])
+        ), g.contiguous()),
+        dim=2,
+    )  # fmt: skip
+    assert g.stride(1) == d and got.abs().sum() > 0
+    assert torch.equal(got, want)
+
+
+def test_backward_int32_rows_guard():
+    # What makes the kernels' int32 block offsets safe: a token stride too large for them is made
+    # contiguous (meta tensors: the layouts without the memory).
+    from rlkernel.kernels.attention_bwd import _int32_rows
+
+    t = torch.empty(2, 8, 4, 128, device="meta")
+    assert _int32_rows(t, 64) is t
+    wide = torch.empty_strided((2, 8, 4, 128), (8 * 2**26, 2**26, 128, 1), device="meta")
+    assert _int32_rows(wide, 32) is wide  # 31 · 2^26 + 127 < 2^31
+    assert _int32_rows(wide, 64).stride() == (8 * 512, 512, 128, 1)  # 63 · 2^26 ≥ 2^31: a copy
+    with pytest.raises(ValueError, match="int32"):  # no layout fits: token stride 2^26 when contiguous
+        _int32_rows(torch.empty(1, 2, 2**19, 128, device="meta"), 64)
+
+
 def test_reference_backward_matches_oracle(monkeypatch):
     monkeypatch.setenv("RLKERNEL_BACKEND", "reference")
     q, k, v = (x[None] for x in make_seq(12))

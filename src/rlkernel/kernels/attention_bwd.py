@@ -121,22 +121,43 @@ def _dkdv_block(
     """The contribution of queries [m0, m0 + BM) of q head ``hq`` to a key block's (dK, dV).
     DIAGONAL: some of those queries do not see some of the keys (see the module header). MASKED:
     the causal/range ``where`` on P; off only for a plain block whose queries are all below len_q
-    (every pair visible: the ``where`` would keep every value)."""
-    qi = m0 + tl.arange(0, BLOCK_M)
-    q_ok = qi < len_q
-    ld = q_ok[:, None] & mask_d[None, :]
-    q = tl.load(q_base + qi[:, None] * stride_qt + hq * stride_qh + offs_d[None, :], mask=ld, other=0.0)
-    do = tl.load(do_base + qi[:, None] * stride_dot + hq * stride_doh + offs_d[None, :], mask=ld, other=0.0)
+    (every pair visible: the ``where`` would keep every value).
+
+    Addressing: ``m0`` is int64, the loop's induction variable; the block's first row is addressed
+    in int64 (a scalar per block) and its elements by int32 offsets from there, loop invariants
+    (``_int32_rows`` makes them fit): on sm_90 each thread's 8 q and 8 dO row offsets then take 16
+    registers instead of 32 (the int64 form spilled in the loop at D = 128). The masks compare
+    int32 queries and keys (positions in a sequence fit int32). A plain block's queries are all
+    below len_q: its loads take the d mask alone (no per-query predicate)."""
+    r = tl.arange(0, BLOCK_M)
+    qi = tl.cast(m0, tl.int32) + r
+    if MASKED or DIAGONAL:
+        q_ok = qi < len_q
+        ld = q_ok[:, None] & mask_d[None, :]
+    else:
+        ld = mask_d[None, :]  # the d mask alone, broadcast over the queries
+    q_blk = q_base + hq * stride_qh + m0 * stride_qt
+    do_blk = do_base + hq * stride_doh + m0 * stride_dot
+    q = tl.load(q_blk + (r[:, None] * stride_qt + offs_d[None, :]), mask=ld, other=0.0)
+    do = tl.load(do_blk + (r[:, None] * stride_dot + offs_d[None, :]), mask=ld, other=0.0)
     if DIAGONAL:  # one copy of each, finite; the pairs that see a bad row get NaN P below
         q, q_bad = _non_finite(q)
         do, do_bad = _non_finite(do)
-    lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
-    delta = tl.load(delta_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=0.0)
+    if MASKED or DIAGONAL:
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + m0 + r, mask=q_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + hq * total_q + q_row0 + m0 + r, mask=q_ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + m0 + r)
+        delta = tl.load(delta_ptr + hq * total_q + q_row0 + m0 + r)
     s_t = dot(k, tl.trans(q), None, INPUT_PRECISION, INTERPRETED)  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(s_t * scale - lse[None, :])
-    if MASKED or DIAGONAL:
+    if DIAGONAL:
         visible = (keys[:, None] <= (offset + qi)[None, :]) & q_ok[None, :]
         p_t = tl.where(visible, p_t, 0.0)
+    elif MASKED:
+        # Past the diagonal every query sees every real key of the block: the causal compare could
+        # only drop keys past len_k, whose rows of dK/dV are never stored (as in a plain block).
+        p_t = tl.where(q_ok[None, :], p_t, 0.0)
     if DIAGONAL:
         p_t = tl.where(visible & (q_bad | do_bad)[None, :], float("nan"), p_t)
     dv = dot(p_t.to(do_base.dtype.element_ty), do, dv, INPUT_PRECISION, INTERPRETED)
@@ -202,7 +223,10 @@ def _attn_bwd_dkdv_kernel(
 ):
     """dK, dV of one key block of one kv head: Σ over the group's q heads (in order g = 0..G−1)
     and over the query blocks that see the block (in order), accumulated in fp32 registers."""
-    pid_n = tl.program_id(0).to(tl.int64)
+    # int32 query and key indices (a sequence's queries and keys fit int32): on sm_90 int64 ones cost
+    # registers held across the query-block loops and int64 compares in the masks. Offsets are
+    # widened where they are formed (``.to(tl.int64)``); the query-block loops run in int64.
+    pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
@@ -217,8 +241,9 @@ def _attn_bwd_dkdv_kernel(
         kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
         v_base = v_ptr + b * stride_vb + k_tok0 * stride_vt + hk * stride_vh
-        k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+        rows_k = keys.to(tl.int64)
+        k = tl.load(k_base + rows_k[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + rows_k[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         scale = tl.cast(qk_scale, tl.float32)
@@ -233,19 +258,20 @@ def _attn_bwd_dkdv_kernel(
         qi_whole = tl.maximum(qi_mid + tl.maximum(len_q - qi_mid, 0) // BLOCK_M * BLOCK_M, qi_mid)
         for g in range(0, group):
             hq = hk * group + g
-            for m0 in range(qi_lo, tl.minimum(qi_mid, len_q), BLOCK_M):
+            for m0 in range(tl.cast(qi_lo, tl.int64), tl.cast(tl.minimum(qi_mid, len_q), tl.int64), BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
                     BLOCK_M, INPUT_PRECISION, INTERPRETED, True, True,
                 )  # fmt: skip
-            for m0 in range(qi_mid, qi_whole, BLOCK_M):
+            for m0 in range(tl.cast(qi_mid, tl.int64), tl.cast(qi_whole, tl.int64), BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
                     BLOCK_M, INPUT_PRECISION, INTERPRETED, False, False,
                 )  # fmt: skip
-            for m0 in range(qi_whole, len_q, BLOCK_M):  # the last query block, partly past len_q
+            # the last query block, partly past len_q
+            for m0 in range(tl.cast(qi_whole, tl.int64), tl.cast(len_q, tl.int64), BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, keys, q_base, do_base, stride_qt, stride_qh, stride_dot, stride_doh, hq, m0,
                     offs_d, mask_d, len_q, offset, lse_ptr, delta_ptr, total_q, q_row0, scale,
@@ -255,10 +281,14 @@ def _attn_bwd_dkdv_kernel(
         dk_base = dk_ptr + b * stride_dkb + k_tok0 * stride_dkt + hk * stride_dkh
         dv_base = dv_ptr + b * stride_dvb + k_tok0 * stride_dvt + hk * stride_dvh
         tl.store(
-            dk_base + keys[:, None] * stride_dkt + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_ok
+            dk_base + rows_k[:, None] * stride_dkt + offs_d[None, :],
+            dk.to(dk_ptr.dtype.element_ty),
+            mask=kv_ok,
         )
         tl.store(
-            dv_base + keys[:, None] * stride_dvt + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_ok
+            dv_base + rows_k[:, None] * stride_dvt + offs_d[None, :],
+            dv.to(dv_ptr.dtype.element_ty),
+            mask=kv_ok,
         )
 
 
@@ -288,11 +318,20 @@ def _dq_block(
     """The contribution of key block [start, start + BN) to a query block's dQ. DIAGONAL: some of
     the queries do not see some of the keys (see the module header). A plain block's keys are all
     seen by every query row of the block, so P takes no ``where`` there; the block's rows past
-    len_q (q = 0, lse = +inf) are never stored, and a row's dQ depends on no other row."""
-    keys = start + tl.arange(0, BLOCK_N)
-    kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
-    k = tl.load(k_base + keys[:, None] * stride_kt + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
+    len_q (q = 0, lse = +inf) are never stored, and a row's dQ depends on no other row. ``start`` is
+    int64, the loop's induction variable: the block's first key is addressed in int64, its elements
+    by int32 offsets from there (as in ``_dkdv_block``); the masks compare int32 keys. A plain
+    block's keys are all below len_k: its loads take the d mask alone (no per-key predicate)."""
+    r = tl.arange(0, BLOCK_N)
+    keys = tl.cast(start, tl.int32) + r
+    if DIAGONAL:
+        kv_ok = (keys < len_k)[:, None] & mask_d[None, :]
+    else:
+        kv_ok = mask_d[None, :]  # the d mask alone, broadcast over the keys
+    k_blk = k_base + start * stride_kt
+    v_blk = v_base + start * stride_vt
+    k = tl.load(k_blk + (r[:, None] * stride_kt + offs_d[None, :]), mask=kv_ok, other=0.0)
+    v = tl.load(v_blk + (r[:, None] * stride_vt + offs_d[None, :]), mask=kv_ok, other=0.0)
     if DIAGONAL:  # one copy, finite; the pairs that see a bad key get NaN P below
         k, k_bad = _non_finite(k)
     s = dot(q, tl.trans(k), None, INPUT_PRECISION, INTERPRETED)
@@ -365,7 +404,8 @@ def _attn_bwd_dq_kernel(
     which reads it, so that dO and O are read once for it (no fp32 copies). Programs are
     numbered last query block first: the causal work grows with the block, so the longest start
     first and the short ones fill the tail."""
-    pid_m = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
+    # int32 query and key indices, the key-block loops in int64 (see ``_attn_bwd_dkdv_kernel``).
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     n_q_heads = n_kv_heads * group
     b = pid_bh // n_q_heads
@@ -379,17 +419,18 @@ def _attn_bwd_dq_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < head_dim
         qi = m0 + tl.arange(0, BLOCK_M)
+        rows_q = qi.to(tl.int64)
         q_ok = qi < len_q
         ld = q_ok[:, None] & mask_d[None, :]
         q_base = q_ptr + b * stride_qb + q_tok0 * stride_qt + hq * stride_qh
         do_base = do_ptr + b * stride_dob + q_tok0 * stride_dot + hq * stride_doh
-        q = tl.load(q_base + qi[:, None] * stride_qt + offs_d[None, :], mask=ld, other=0.0)
-        do = tl.load(do_base + qi[:, None] * stride_dot + offs_d[None, :], mask=ld, other=0.0)
-        lse = tl.load(lse_ptr + hq * total_q + q_row0 + qi, mask=q_ok, other=float("inf"))
+        q = tl.load(q_base + rows_q[:, None] * stride_qt + offs_d[None, :], mask=ld, other=0.0)
+        do = tl.load(do_base + rows_q[:, None] * stride_dot + offs_d[None, :], mask=ld, other=0.0)
+        lse = tl.load(lse_ptr + hq * total_q + q_row0 + rows_q, mask=q_ok, other=float("inf"))
         o_base = o_ptr + b * stride_ob + q_tok0 * stride_ot + hq * stride_oh
-        o = tl.load(o_base + qi[:, None] * stride_ot + offs_d[None, :], mask=ld, other=0.0)
+        o = tl.load(o_base + rows_q[:, None] * stride_ot + offs_d[None, :], mask=ld, other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO·O), fp32
-        tl.store(delta_ptr + hq * total_q + q_row0 + qi, delta, mask=q_ok)
+        tl.store(delta_ptr + hq * total_q + q_row0 + rows_q, delta, mask=q_ok)
         qpos = len_k - len_q + qi
         key_end = len_k - len_q + tl.minimum(m0 + BLOCK_M, len_q)
         k_base = k_ptr + b * stride_kb + k_tok0 * stride_kt + hk * stride_kh
@@ -399,12 +440,12 @@ def _attn_bwd_dq_kernel(
         # Key blocks below key_mid are seen whole by every query of the block (the first sits at
         # key position len_k − len_q + m0).
         key_mid = ks + tl.maximum(len_k - len_q + m0 + 1 - ks, 0) // BLOCK_N * BLOCK_N
-        for start in range(ks, key_mid, BLOCK_N):
+        for start in range(tl.cast(ks, tl.int64), tl.cast(key_mid, tl.int64), BLOCK_N):
             dq = _dq_block(
                 dq, q, do, lse, delta, qpos, q_ok, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d,
                 start, len_k, scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, False,
             )  # fmt: skip
-        for start in range(key_mid, key_end, BLOCK_N):
+        for start in range(tl.cast(key_mid, tl.int64), tl.cast(key_end, tl.int64), BLOCK_N):
             dq = _dq_block(
                 dq, q, do, lse, delta, qpos, q_ok, k_base, v_base, stride_kt, stride_vt, offs_d, mask_d,
                 start, len_k, scale, BLOCK_N, INPUT_PRECISION, INTERPRETED, True,
@@ -412,8 +453,33 @@ def _attn_bwd_dq_kernel(
         dq = dq * sm_scale
         dq_base = dq_ptr + b * stride_dqb + q_tok0 * stride_dqt + hq * stride_dqh
         tl.store(
-            dq_base + qi[:, None] * stride_dqt + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=ld
+            dq_base + rows_q[:, None] * stride_dqt + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=ld
         )
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _int32_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (``[..., tokens, heads, D]``, unit last stride) such that the element offsets of a block
+    of ``rows`` tokens from the block's first one in the same head, ``r · stride_t + d`` (r < rows,
+    d < BLOCK_D), fit int32: the backward's loops form them in int32 (the block's first element is
+    addressed in int64; on sm_90 int64 offsets cost registers, spilled in the dK/dV loop). A token
+    stride too large for that (a view into a much larger tensor) is made contiguous: same values.
+    Raises ValueError if even the contiguous layout does not fit."""
+
+    def fits(x: torch.Tensor) -> bool:
+        return (rows - 1) * x.stride(-3) + _block_d(x.shape[-1]) - 1 <= _INT32_MAX
+
+    if fits(t):
+        return t
+    t = t.contiguous()
+    if not fits(t):
+        raise ValueError(
+            f"attention backward: {rows} tokens of {t.shape[-2]} heads x {t.shape[-1]} elements exceed "
+            "int32 offsets"
+        )
+    return t
 
 
 def attention_bwd(
@@ -448,6 +514,9 @@ def attention_bwd(
     out = _unit_last(out)
     delta = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     cfg = config or bwd_config(d, q.dtype)
+    # The loops address a block's tokens by int32 offsets from its first one (see ``_int32_rows``).
+    q, do = _int32_rows(q, cfg.dkdv.block_m), _int32_rows(do, cfg.dkdv.block_m)
+    k, v = _int32_rows(k, cfg.dq.block_n), _int32_rows(v, cfg.dq.block_n)
     max_len_k = seqlen_k
     if packed:
         max_len_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item())
