@@ -165,6 +165,22 @@ def test_headline_picks_sizes_and_ratios():
     assert bench_readme.headline_table({"linear": rows}) == ""  # none of its workloads
 
 
+def test_headline_row_from_a_newer_partial_run_when_committed():
+    """A headline row naming a newer run of its suite takes its rows from it where that run holds
+    the workload, else from the suite's own CSV."""
+    h = bench_readme.Headline("logits", "sliced_dapo_kl_fwd_bwd", "x", {"vocab": "max"}, "logits_later")
+    base = {"suite": "logits", "workload": "sliced_dapo_kl_fwd_bwd", "pass": "fwd+bwd", "n_tokens": "8192",
+            "vocab": "1000", "status": "ok", "b2b_ms": ""}  # fmt: skip
+    old = [{**base, "impl": "rlkernel", "median_ms": "2.0"}]
+    new = [{**base, "impl": "rlkernel", "median_ms": "1.5"}]
+    other = [{**base, "workload": "sliced_gspo_fwd_bwd", "impl": "rlkernel", "median_ms": "9.0"}]
+    assert h.source({"logits": old, "logits_later": new}) == "logits_later"
+    assert h.source({"logits": old}) == "logits"
+    assert h.source({"logits": old, "logits_later": other}) == "logits"  # the later run lacks it
+    plain = bench_readme.Headline("logits", "sliced_dapo_kl_fwd_bwd", "x")  # names no newer run
+    assert plain.source({"logits_later": new}) == "logits"
+
+
 def test_readme_without_markers_is_a_clear_error(smoke, tmp_path, capsys):
     _, out, _ = smoke
     readme = tmp_path / "README.md"
