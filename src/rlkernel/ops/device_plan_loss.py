@@ -59,6 +59,25 @@ def keep_for_backward(ctx, logits, x, window, inplace_backward, plan, temperatur
     ctx.set_materialize_grads(False)
 
 
+def three_pass_forward(ctx, run, logits, plan, temperature, inplace_backward, window, what):
+    """The forward of a 3-pass device-plan Function (this module's and ``ops.device_seq_plan``'s):
+    ``run(x, plan, temperature, layout, host)`` launches its kernels over the rows ``x`` and returns
+    ``(loss, logp, entropy, lse, g_logp, g_entropy, ids, counts)``; the id check is deferred and
+    the backward's inputs kept (:func:`keep_for_backward`). Returns ``(loss, logp, entropy)``."""
+    x, layout = _addressed(logits if window is None else window.of(logits))
+    host = _host_slot(plan, x)
+    loss, logp, entropy, lse, g_logp, g_entropy, ids, counts = run(x, plan, temperature, layout, host)
+    _defer_id_check(plan, counts, host, x, what)
+    keep_for_backward(ctx, logits, x, window, inplace_backward, plan, temperature, ids, lse, g_logp,
+                      entropy, g_entropy)  # fmt: skip
+    ctx.mark_non_differentiable(logp, entropy)
+    return loss.view(()), logp, entropy
+
+
+def _rows_forward(x, plan, temperature, layout, host):
+    return device_plan_forward(x, plan, temperature=temperature, grad=None, row_layout=layout, host=host)
+
+
 class DevicePlanLossFunction(torch.autograd.Function):
     """Three passes over the logits: forward = mask counts + the rows kernel (statistics, loss terms
     and the backward's inputs); backward = one gradient launch scaled by the upstream gradient (over
@@ -66,16 +85,8 @@ class DevicePlanLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
-        x, layout = _addressed(logits if window is None else window.of(logits))
-        host = _host_slot(plan, x)
-        loss, logp, entropy, lse, g_logp, g_entropy, ids, counts = device_plan_forward(
-            x, plan, temperature=temperature, grad=None, row_layout=layout, host=host
-        )
-        _defer_id_check(plan, counts, host, x, what)
-        keep_for_backward(ctx, logits, x, window, inplace_backward, plan, temperature, ids, lse, g_logp,
-                          entropy, g_entropy)  # fmt: skip
-        ctx.mark_non_differentiable(logp, entropy)
-        return loss.view(()), logp, entropy
+        run = _rows_forward
+        return three_pass_forward(ctx, run, logits, plan, temperature, inplace_backward, window, what)
 
     @staticmethod
     @without_autocast

@@ -16,13 +16,7 @@ import torch
 
 from rlkernel.kernels.seq_plan import seq_plan_forward
 from rlkernel.ops._logprobs_function import _base_and_window
-from rlkernel.ops.device_plan_loss import (
-    DevicePlanLossFunction,
-    _addressed,
-    _defer_id_check,
-    _host_slot,
-    keep_for_backward,
-)
+from rlkernel.ops.device_plan_loss import DevicePlanLossFunction, three_pass_forward
 
 
 class DeviceSeqPlanLossFunction(DevicePlanLossFunction):
@@ -31,16 +25,12 @@ class DeviceSeqPlanLossFunction(DevicePlanLossFunction):
 
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
-        x, layout = _addressed(logits if window is None else window.of(logits))
-        host = _host_slot(plan, x)
-        loss, logp, entropy, lse, g_logp, g_entropy, ids, counts = seq_plan_forward(
-            x, plan, temperature=temperature, row_layout=layout, host=host
-        )
-        _defer_id_check(plan, counts, host, x, what)
-        keep_for_backward(ctx, logits, x, window, inplace_backward, plan, temperature, ids, lse, g_logp,
-                          entropy, g_entropy)  # fmt: skip
-        ctx.mark_non_differentiable(logp, entropy)
-        return loss.view(()), logp, entropy
+        run = _seq_forward
+        return three_pass_forward(ctx, run, logits, plan, temperature, inplace_backward, window, what)
+
+
+def _seq_forward(x, plan, temperature, layout, host):
+    return seq_plan_forward(x, plan, temperature=temperature, row_layout=layout, host=host)
 
 
 def seq_loss_device_plan(
