@@ -79,6 +79,12 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> BwdConfig:
     d = _block_d(head_dim)
     if dtype == torch.float32 or d > 128:
         tiles = KernelTiles(32, 32, 4, 1)
+    elif d <= 64:
+        # 16-bit, D <= 64 (the anchor model's heads): H200, Hq/Hkv = 16/8, B = 1, T = 8192 and 32768
+        # (2026-11-28, benchmarks/results/attn_tiles_d64_h200_2026-11-28.txt): against 64/64 at 4 warps
+        # and 2 stages for both kernels, 3 stages for dK/dV took 1.262 vs 1.327 ms and 16.5 vs 17.5 ms,
+        # dQ over 128-key blocks at 3 stages 1.202 ms and 16.2 ms; the same gradients, bit for bit.
+        return BwdConfig(KernelTiles(64, 64, 4, 3), KernelTiles(64, 128, 4, 3))
     else:
         # 16-bit, D <= 128: one warpgroup per program. H100, B = 1, T = 8192, Hq/Hkv = 32/8, D = 128
         # (2026-11-28, benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log): the backward took
