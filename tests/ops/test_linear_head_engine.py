@@ -277,3 +277,57 @@ def test_default_chunk_and_group_rows_at_the_real_vocabulary(hdim, chunk, group)
     assert eng.backend == "epilogue" and (eng.chunk_rows, eng.group_rows) == (chunk, group)
     frozen = engine.make_engine(h, w, None, ids, 1.0, -100, settings, dhidden_only=True)
     assert frozen.chunk_rows == frozen.group_rows == engine.FROZEN_WEIGHT_ROWS
+
+
+@pytest.mark.parametrize("hdim, rows", [(4096, 4096), (2048, 2048), (1024, 1024)])
+def test_invariant_chunk_follows_the_group_at_the_real_vocabulary(hdim, rows):
+    """The batch-invariant GEMM's chunk shrinks with the gradient group (default sizes, V = 151,936,
+    bf16 logits): max(1024, H) rows under H = 4096, not the 4096 rows its logits budget allows; a
+    frozen weight's both at FROZEN_WEIGHT_ROWS. Meta tensors: no memory, nothing runs."""
+    w = torch.empty(151936, hdim, dtype=torch.bfloat16, device="meta")
+    h = torch.empty(8, hdim, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(8, dtype=torch.int64, device="meta")
+    settings = engine.EngineSettings.from_options(rk.Options(), invariant=True, whole_batch=False)
+    eng = engine.make_engine(h, w, None, ids, 1.0, -100, settings, need_dweight=True)
+    assert eng.backend == "invariant" and (eng.chunk_rows, eng.group_rows) == (rows, rows)
+    frozen = engine.make_engine(h, w, None, ids, 1.0, -100, settings, dhidden_only=True)
+    assert frozen.chunk_rows == frozen.group_rows == engine.FROZEN_WEIGHT_ROWS
+
+
+def test_invariant_chunks_follow_capped_groups_with_the_same_logprobs(monkeypatch):
+    """On the batch-invariant GEMM, groups capped under the row count (the H_GROUP_FLOOR seam) make
+    the chunks follow them: more, smaller chunks, the same log-prob bits as one chunk (the GEMM is
+    row invariant at any M), and gradients that match the reference."""
+    h, w, ids = make(seed=8)
+    coef = torch.randn(N, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    chunks = []
+    real_make = engine.make_engine
+
+    def spy_make(*a, **k):  # seam: record each engine's chunk rows
+        eng = real_make(*a, **k)
+        chunks.append((eng.backend, eng.chunk_rows, eng.group_rows))
+        return eng
+
+    monkeypatch.setattr(lf, "make_engine", spy_make)
+
+    def run():
+        hh, ww = leaves(h, w)
+        coef_fn = autograd_coef_fn(lambda r, lp, e: (coef[r] * lp).sum())
+        chunks.clear()
+        loss, lp = lf.fused_linear_token_loss(
+            hh, ww, None, ids, coef_fn=coef_fn, invariant_logits=torch.bfloat16
+        )
+        dh, dw = torch.autograd.grad(loss, (hh, ww))
+        return lp.detach(), dh, dw, list(chunks)
+
+    lp_one, dh_one, dw_one, made = run()
+    assert made[0][0] == "invariant" and made[0][1] >= N  # H = 16 under the floor: one chunk
+    monkeypatch.setattr(engine, "H_GROUP_FLOOR", 8)  # seam: H = 16 caps groups at 16 rows
+    lp_cap, dh_cap, dw_cap, made = run()
+    assert made[0] == ("invariant", 16, 16)
+    assert torch.equal(lp_cap, lp_one)
+    hh, ww = leaves(h, w)
+    rlp = ref.linear_token_logprobs(hh, ww, ids)
+    rdh, rdw = torch.autograd.grad((coef.double() * rlp.double() * (ids != -100)).sum(), (hh, ww))
+    for dh, dw in ((dh_one, dw_one), (dh_cap, dw_cap)):
+        assert rel(dh, rdh) <= 1e-2 and rel(dw, rdw) <= 1e-2

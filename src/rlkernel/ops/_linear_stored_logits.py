@@ -161,9 +161,17 @@ class CublasEngine(StoredLogitsEngine):
 
 
 class InvariantGemmEngine(StoredLogitsEngine):
-    """Chunk logits from the batch-invariant GEMM of a patched model's LM head (its real rows)."""
+    """Chunk logits from the batch-invariant GEMM of a patched model's LM head (its real rows).
+
+    The chunk follows the gradient group (``chunk_follows_group``): that GEMM gives a row the same
+    bits at any M, so the chunk may shrink with the group at no logp bit. Below H = 4096 the group is
+    capped at max(1024, H) rows, and a chunk of 4096 rows would hold 4× the epilogue path's logits
+    (anchor model, H = 1024, V = 151,936, training at T = 8192 on an H200, 2026-11-28: 1.25 GB of
+    bf16 chunk logits alive at the step's peak, 3.62 GB against the unpatched model's 3.39 GB;
+    ``benchmarks/results/mem_anchor_8k_h200_2026-11-28.txt``)."""
 
     backend = "invariant"
+    chunk_follows_group = True
 
     @staticmethod
     def chunk_logits_dtype(hidden: torch.Tensor, logits_dtype: str) -> torch.dtype:
