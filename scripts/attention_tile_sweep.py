@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 scripts/attention_tile_sweep.py                 # D = 128, H100: ~2-3 min
     PYTHONPATH=src python3 scripts/attention_tile_sweep.py --head-dim 64 --heads 16 8
     PYTHONPATH=src python3 scripts/attention_tile_sweep.py --kernels bwd --shapes 1x8192 1x32768
+    PYTHONPATH=src python3 scripts/attention_tile_sweep.py --kernels fwd --block-n 128   # another formula
     PYTHONPATH=src python3 scripts/attention_tile_sweep.py --smoke        # CPU interpreter, tiny
 
 What it answers (the sweep behind ``benchmarks/results/attn_bwd_sweep_h100_2026-11-28.log``):
@@ -17,6 +18,12 @@ What it answers (the sweep behind ``benchmarks/results/attn_bwd_sweep_h100_2026-
   (the backward is deterministic for every choice); the fastest at every shape wins
   (``kernels.attention_bwd.bwd_config``).
 * SDPA (HF's layout, KV heads repeated to Hq, causal) forward and forward + backward in the same run.
+* other key blocks (``--block-n 128``): forward candidates with that BLOCK_N (the default's rows,
+  warps and stages, and 128 rows at 8 warps). BLOCK_N sets the order of a row's sums, so these are
+  another formula, not a tile of this one: each is compared with SDPA's output (``vs_sdpa``: max
+  |o − o_sdpa|, the default's own shown alike) instead of bitwise, and adopting one changes the bits
+  of every path at once (forward, split-decode and their tests: a change of ``fwd_config``, not of
+  the tile table).
 
 Timing: ``rlkernel.bench.timing.gpu_time_ms`` (CUDA events, each call queued behind an
 L2-evicting write). TF/s counts the causal forward's 2·B·Hq·T²·D flops, 2.5× that for the backward
@@ -51,6 +58,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, nargs=2, default=(32, 8), metavar=("HQ", "HKV"))
     p.add_argument("--shapes", nargs="+", default=["1x8192", "4x8192", "1x32768"], help="BxT, causal")
     p.add_argument("--kernels", default="fwd,bwd", help="fwd, bwd or both (comma-separated)")
+    p.add_argument("--block-n", type=int, nargs="*", default=[], metavar="BN",
+                   help="also time forward candidates with these key blocks (another formula)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny sizes in the CPU interpreter")
     args = p.parse_args()
@@ -125,6 +134,19 @@ def _sweep_shape(b: int, t: int, args: argparse.Namespace, device: torch.device,
             ms = _time(lambda c=c: ka.attention_fwd(q, k, v, scale=scale, config=c), device, args.reps)
             label = f"fwd {c.block_m}/{c.block_n} w{c.num_warps} s{c.num_stages}"
             rows.append((tag, label, ms, _tflops(b, hq, t, d, ms, 1), f"bitwise={same}"))
+        if args.block_n:
+            o_sdpa = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2).float()
+            base = ka.fwd_config(d, dtype)
+            shapes = [(base.block_m, base.num_warps, base.num_stages)] + ([] if SMOKE else [(128, 8, 3)])
+            for bn in [base.block_n, *args.block_n]:
+                for m, w, st in shapes if bn != base.block_n else shapes[:1]:
+                    c = ka.FwdConfig(m, bn, w, st)
+                    o2, _ = ka.attention_fwd(q, k, v, scale=scale, config=c)
+                    err = (o2.float() - o_sdpa).abs().max().item()
+                    ms = _time(lambda c=c: ka.attention_fwd(q, k, v, scale=scale, config=c), device,
+                               args.reps)  # fmt: skip
+                    label = f"fwd {c.block_m}/{c.block_n} w{c.num_warps} s{c.num_stages} (formula)"
+                    rows.append((tag, label, ms, _tflops(b, hq, t, d, ms, 1), f"vs_sdpa={err:.1e}"))
     if "bwd" in kernels:
         go = torch.randn(q.shape, device=device, generator=gen).to(dtype)
         ref = kab.attention_bwd(go, q, k, v, out, lse, scale=scale)
