@@ -185,6 +185,16 @@ def test_gemm_backend_is_a_function_of_settings_and_operands():
         assert (geo.chunk_rows, geo.group_rows, geo.whole_batch) == (8, rows, True), mode
 
 
+def _assert_grads_match_reference(h, w, ids, coef, *grads) -> None:
+    """Each ``(dhidden, dweight)`` of ``grads`` within 1e-2 (relative) of the reference's for the
+    loss Σ coef·logp over the active rows."""
+    hh, ww = leaves(h, w)
+    rlp = ref.linear_token_logprobs(hh, ww, ids)
+    rdh, rdw = torch.autograd.grad((coef.double() * rlp.double() * (ids != -100)).sum(), (hh, ww))
+    for dh, dw in grads:
+        assert rel(dh, rdh) <= 1e-2 and rel(dw, rdw) <= 1e-2
+
+
 def _spy_statistics_rows(monkeypatch) -> list[int]:
     """A list that records the rows of each fused-loss statistics launch (seam: a spy)."""
     rows_per_launch = []
@@ -223,11 +233,7 @@ def test_small_hidden_size_caps_groups_with_the_same_logprobs(monkeypatch):
     lp_cap, dh_cap, dw_cap, launches = run()
     assert launches == [16, 16, active - 32]
     assert torch.equal(lp_cap, lp_one)
-    hh, ww = leaves(h, w)
-    rlp = ref.linear_token_logprobs(hh, ww, ids)
-    rdh, rdw = torch.autograd.grad((coef.double() * rlp.double() * (ids != -100)).sum(), (hh, ww))
-    for dh, dw in ((dh_one, dw_one), (dh_cap, dw_cap)):
-        assert rel(dh, rdh) <= 1e-2 and rel(dw, rdw) <= 1e-2
+    _assert_grads_match_reference(h, w, ids, coef, (dh_one, dw_one), (dh_cap, dw_cap))
 
 
 def test_frozen_weight_uses_small_chunks_with_the_same_logprobs(monkeypatch):
@@ -326,8 +332,4 @@ def test_invariant_chunks_follow_capped_groups_with_the_same_logprobs(monkeypatc
     lp_cap, dh_cap, dw_cap, made = run()
     assert made[0] == ("invariant", 16, 16)
     assert torch.equal(lp_cap, lp_one)
-    hh, ww = leaves(h, w)
-    rlp = ref.linear_token_logprobs(hh, ww, ids)
-    rdh, rdw = torch.autograd.grad((coef.double() * rlp.double() * (ids != -100)).sum(), (hh, ww))
-    for dh, dw in ((dh_one, dw_one), (dh_cap, dw_cap)):
-        assert rel(dh, rdh) <= 1e-2 and rel(dw, rdw) <= 1e-2
+    _assert_grads_match_reference(h, w, ids, coef, (dh_one, dw_one), (dh_cap, dw_cap))
