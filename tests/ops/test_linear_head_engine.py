@@ -309,12 +309,12 @@ def test_invariant_chunks_follow_capped_groups_with_the_same_logprobs(monkeypatc
     chunks = []
     real_make = engine.make_engine
 
-    def spy_make(*a, **k):  # seam: record each engine's chunk rows
+    def spy_make(*a, **k):  # records each engine's back end, chunk and group rows
         eng = real_make(*a, **k)
         chunks.append((eng.backend, eng.chunk_rows, eng.group_rows))
         return eng
 
-    monkeypatch.setattr(lf, "make_engine", spy_make)
+    monkeypatch.setattr(lf, "make_engine", spy_make)  # seam: spy
 
     def run():
         hh, ww = leaves(h, w)
