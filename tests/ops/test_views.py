@@ -5,6 +5,8 @@ base-sized buffer and no copy), also in place and on the gradient-in-forward pat
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -45,6 +47,48 @@ def test_window_of_finds_boxes_and_rejects_the_rest():
     with torch.no_grad():
         assert window_of(base[:, 1:]) is None
 
+
+
+# Views of small bases of 2, 3 and 4 dims; at some ranks a view slices the vocabulary or does not exist.
+VIEWS = [
+    lambda b: b[:, 3:-1], lambda b: b[:, :-1], lambda b: b[1:, 2:], lambda b: b[1], lambda b: b[1, 3:5],
+    lambda b: b[0, 0], lambda b: b.view(-1, V)[5:9], lambda b: b[:, :], lambda b: b[0:2], lambda b: b[:, 3],
+    lambda b: b[..., :5], lambda b: b[:, ::2], lambda b: b[:, 2:2], lambda b: b.view(-1)[V // 2 : V // 2 + V],
+    lambda b: b.transpose(0, 1)[1:], lambda b: b[-1:, 1:2],
+]  # fmt: skip
+
+
+def _boxes(lead: tuple[int, ...]):
+    """Every box index of a base with these leading dims: per dim an int or a step-1 slice."""
+    per_dim = [[*range(n), *(slice(a, z) for a in range(n) for z in range(a + 1, n + 1))] for n in lead]
+    return itertools.product(*per_dim)
+
+
+@pytest.mark.parametrize("k", range(len(VIEWS)))
+@pytest.mark.parametrize("lead", [(2, 10), (1, 10), (10,), (2, 3, 10)])
+def test_window_of_finds_exactly_the_box_views(k, lead):
+    """``window_of`` against brute force: it finds a window exactly when some box index of the base
+    (an int or a step-1 slice per leading dim, the vocabulary whole) addresses the view (the same
+    shape, strides and storage offset), the view keeps the base's strides (a dropped dim is a
+    leading one) and it is neither empty nor the whole base; the window it finds addresses the
+    view."""
+    base = torch.randn(*lead, V).requires_grad_(True)
+    try:
+        view = VIEWS[k](base)
+    except (IndexError, RuntimeError):  # this view does not exist at this base's rank
+        return
+    key = (view.shape, view.stride(), view.storage_offset())
+    box = any(
+        (w.shape, w.stride(), w.storage_offset()) == key
+        for w in (base[(*idx, slice(None))] for idx in _boxes(lead))
+    )
+    same_strides = view.dim() >= 1 and view.stride() == base.stride()[base.dim() - view.dim() :]
+    expected = box and same_strides and view.numel() > 0 and view.shape != base.shape
+    found = window_of(view)
+    assert (found is not None) == expected
+    if found is not None:
+        again = found[1].of(base)
+        assert found[0] is base and (again.shape, again.stride(), again.storage_offset()) == key
 
 def _graph_has_slice(t: torch.Tensor) -> bool:
     seen, todo = set(), [t.grad_fn]

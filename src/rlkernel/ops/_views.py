@@ -90,35 +90,40 @@ def _contiguous_chunks(x: torch.Tensor) -> list[torch.Tensor]:
 
 def window_of(logits: torch.Tensor) -> tuple[torch.Tensor, Window] | None:
     """``(base, window)`` when ``logits`` is a box window (not the whole) of a contiguous base that
-    requires grad, else None."""
+    requires grad, else None. (Every call of an eager loss asks: each property is read once.)"""
     base = logits._base
-    dropped = base.dim() - logits.dim() if base is not None else -1
+    if base is None or not base.requires_grad or not torch.is_grad_enabled():
+        return None
+    dropped = base.dim() - logits.dim()  # the leading dims the view drops (one index each)
+    shape, base_shape, base_stride = logits.shape, base.shape, base.stride()
     if (
-        base is None
-        or not base.requires_grad
-        or not torch.is_grad_enabled()
-        or dropped < 0
-        or logits.dim() < 1
+        dropped < 0
+        or not shape
         or base.dtype != logits.dtype
         or not base.is_contiguous()
-        or logits.shape[-1] != base.shape[-1]
-        or logits.stride() != base.stride()[dropped:]
+        or shape[-1] != base_shape[-1]
+        or logits.stride() != base_stride[dropped:]
         or logits.numel() == 0
     ):
         return None
     offset = logits.storage_offset() - base.storage_offset()
-    sizes = (None,) * dropped + tuple(logits.shape[:-1])  # None: a dim the view drops (one index)
     index: list[slice | int] = []
-    for size, full, stride in zip(sizes, base.shape[:-1], base.stride()[:-1], strict=True):
+    whole = True  # the window covers the whole base (nothing to gain)
+    for d in range(len(base_shape) - 1):
+        full, stride = base_shape[d], base_stride[d]
         start, offset = divmod(offset, stride) if stride > 0 else (0, offset)
-        if start + (size or 1) > full:
-            return None
-        index.append(start if size is None else slice(start, start + size))
-    if offset != 0:  # an offset inside a row: not a box of whole rows
+        if d < dropped:
+            if start >= full:
+                return None
+            index.append(start)
+            whole = False
+        else:
+            size = shape[d - dropped]
+            if start + size > full:
+                return None
+            index.append(slice(start, start + size))
+            whole = whole and start == 0 and size == full
+    if offset != 0 or whole:  # an offset inside a row (not a box of whole rows), or the whole base
         return None
-    if all(
-        isinstance(s, slice) and s.start == 0 and s.stop == n
-        for s, n in zip(index, base.shape[:-1], strict=True)
-    ):
-        return None  # the whole base: nothing to gain
-    return base, Window((*index, slice(None)))
+    index.append(slice(None))
+    return base, Window(tuple(index))

@@ -173,20 +173,31 @@ def note_route(route: Route) -> Route:
     return route
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
+def quiet() -> contextlib.AbstractContextManager[None]:
     """Inside the block, :func:`note_route` records nothing: a composite call (the loss) runs its
-    primitives without adding their routes to the user's list."""
+    primitives without adding their routes to the user's list. Outside every
+    :func:`record_routes` block (the common case, once per loss call) a shared no-op context: no
+    generator to build and unwind."""
     stack = getattr(_local, "stack", None)
-    if not stack:
-        yield
-        return
-    saved = list(stack)
-    stack.clear()
-    try:
-        yield
-    finally:
-        stack[:] = saved
+    return _Quiet(stack) if stack else _NOTHING_TO_SILENCE
+
+
+_NOTHING_TO_SILENCE = contextlib.nullcontext()
+
+
+class _Quiet:
+    """:func:`quiet` while routes are recorded: the thread's open lists set aside for the block."""
+
+    def __init__(self, stack: list[list[Route]]) -> None:
+        self._stack = stack
+        self._saved: list[list[Route]] = []
+
+    def __enter__(self) -> None:
+        self._saved = list(self._stack)
+        self._stack.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack[:] = self._saved
 
 
 # --------------------------------------------------------------------------- primitive routes
