@@ -101,6 +101,14 @@ def _bwd_candidates(head_dim: int, dtype: torch.dtype) -> list[tuple[str, kab.Bw
     return out
 
 
+def _key_block_candidates(head_dim: int, dtype: torch.dtype, block_ns: list[int]) -> list[ka.FwdConfig]:
+    """The default configuration (its own row, compared with SDPA alike), then for each other key
+    block the default's rows, warps and stages and, on the GPU, 128 rows at 8 warps."""
+    base = ka.fwd_config(head_dim, dtype)
+    shapes = [(base.block_m, base.num_warps, base.num_stages)] + ([] if SMOKE else [(128, 8, 3)])
+    return [base] + [ka.FwdConfig(m, bn, w, st) for bn in block_ns for m, w, st in shapes]
+
+
 Row = tuple[str, str, float, float, str]
 
 
@@ -136,17 +144,12 @@ def _sweep_shape(b: int, t: int, args: argparse.Namespace, device: torch.device,
             rows.append((tag, label, ms, _tflops(b, hq, t, d, ms, 1), f"bitwise={same}"))
         if args.block_n:
             o_sdpa = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2).float()
-            base = ka.fwd_config(d, dtype)
-            shapes = [(base.block_m, base.num_warps, base.num_stages)] + ([] if SMOKE else [(128, 8, 3)])
-            for bn in [base.block_n, *args.block_n]:
-                for m, w, st in shapes if bn != base.block_n else shapes[:1]:
-                    c = ka.FwdConfig(m, bn, w, st)
-                    o2, _ = ka.attention_fwd(q, k, v, scale=scale, config=c)
-                    err = (o2.float() - o_sdpa).abs().max().item()
-                    ms = _time(lambda c=c: ka.attention_fwd(q, k, v, scale=scale, config=c), device,
-                               args.reps)  # fmt: skip
-                    label = f"fwd {c.block_m}/{c.block_n} w{c.num_warps} s{c.num_stages} (formula)"
-                    rows.append((tag, label, ms, _tflops(b, hq, t, d, ms, 1), f"vs_sdpa={err:.1e}"))
+            for c in _key_block_candidates(d, dtype, args.block_n):
+                o2, _ = ka.attention_fwd(q, k, v, scale=scale, config=c)
+                err = (o2.float() - o_sdpa).abs().max().item()
+                ms = _time(lambda c=c: ka.attention_fwd(q, k, v, scale=scale, config=c), device, args.reps)
+                label = f"fwd {c.block_m}/{c.block_n} w{c.num_warps} s{c.num_stages} (formula)"
+                rows.append((tag, label, ms, _tflops(b, hq, t, d, ms, 1), f"vs_sdpa={err:.1e}"))
     if "bwd" in kernels:
         go = torch.randn(q.shape, device=device, generator=gen).to(dtype)
         ref = kab.attention_bwd(go, q, k, v, out, lse, scale=scale)

@@ -148,20 +148,21 @@ def headline_table(suites: dict[str, list[dict[str, str]]]) -> str:
     """The headline rows present in ``suites`` as one markdown table (empty if none is)."""
     picked = []
     for h in HEADLINE:
-        by_impl = _select(suites.get(h.source(suites), []), h)
+        source = h.source(suites)
+        by_impl = _select(suites.get(source, []), h)
         # "min" and "max" of a run with one size pick the same rows: shown once
-        if by_impl is not None and by_impl not in [seen for _, seen in picked]:
-            picked.append((h, by_impl))
+        if by_impl is not None and by_impl not in [seen for _, _, seen in picked]:
+            picked.append((h, source, by_impl))
     if not picked:
         return ""
-    used = [r for _, by_impl in picked for r in by_impl.values()]
+    used = [r for _, _, by_impl in picked for r in by_impl.values()]
     versions = {k: _versions(used, k) for k in ("liger", "trl", "torch")}
     peer_heads = [fmt.format(**versions) for _, fmt in PEERS]
     heads = ["call (users' pattern)", "size", "rlkernel", *peer_heads, "floor", "rlkernel ÷ fastest peer"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    for h, by_impl in picked:
+    for h, source, by_impl in picked:
         any_row = next(iter(by_impl.values()))
-        params = _param_keys(suites[h.source(suites)])
+        params = _param_keys(suites[source])
         peers = [by_impl.get(impl) for impl, _ in PEERS]
         floor = by_impl.get(FLOOR.get(h.suite, ""))
         floor_cell = _cell(floor).split(", ")[0] if floor else "—"

@@ -37,10 +37,11 @@ from rlkernel.ops._linear_stored_logits import CublasEngine, InvariantGemmEngine
 # and the default 1280 MiB budgets: 2048 rows of fp32 logits (1.24 GB) or 4096 of bf16; gradient
 # groups of 4096 rows, fewer at H < 4096 (why these budgets: docs/api/options.md).
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 4096
-# Chunk and group rows of the fused loss with a frozen weight on the epilogue kernel: its gradient
-# groups only feed the dhidden GEMM, as fast at M = 1024 as at 4096, and that kernel is row invariant
-# at any M, so the chunk shrinks with them (no logp bit changes). H100, ragged DAPO+KL N = 8192:
-# 25.2 vs 25.4 ms, peak extra 2.69 → 1.08 GB; 512 rows: 0.61 GB but +8 % (benchmarks/NOTES.md).
+# Chunk and group rows of the fused loss with a frozen weight on a back end whose chunk follows the
+# group (the epilogue kernel, the batch-invariant GEMM): its gradient groups only feed the dhidden
+# GEMM, as fast at M = 1024 as at 4096, and those GEMMs are row invariant at any M, so the chunk
+# shrinks with them (no logp bit changes). Measured on the epilogue kernel, H100, ragged DAPO+KL
+# N = 8192: 25.2 vs 25.4 ms, peak extra 2.69 → 1.08 GB; 512 rows: 0.61 GB but +8 % (benchmarks/NOTES.md).
 FROZEN_WEIGHT_ROWS = 1024
 # The fewest rows the hidden-size cap of ``grad_rows_for`` leaves a gradient group: below ~1024 rows
 # the dhidden GEMM's [G, H] output has too few tiles for the GPU, and tiny test shapes keep one group.
@@ -231,9 +232,10 @@ def chunk_geometry(
 
     C = ``settings.chunk_rows`` or :func:`chunk_rows_for` of the chunk logits' dtype; G =
     ``settings.grad_rows`` or :func:`grad_rows_for`, rounded down to whole chunks. A back end whose
-    chunk follows the group (the epilogue kernel: row invariant at any M, its exponents live in the
-    group buffer) takes C = min(C, G) with default sizes, and with ``dhidden_only`` (the fused loss
-    with a frozen weight: its groups feed the dhidden GEMM alone) C = G = ``FROZEN_WEIGHT_ROWS``.
+    chunk follows the group (row invariant at any M: the epilogue kernel, whose exponents live in
+    the group buffer, and the batch-invariant GEMM) takes C = min(C, G) with default sizes, and
+    with ``dhidden_only`` (the fused loss with a frozen weight: its groups feed the dhidden GEMM
+    alone) C = G = ``FROZEN_WEIGHT_ROWS``.
     Whole batch (``need_dweight``: dweight wanted): one group of every row, rounded up to whole
     chunks where the back end pads them, when :func:`whole_batch_fits` (or as
     ``settings.whole_batch`` forces)."""

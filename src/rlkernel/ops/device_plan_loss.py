@@ -85,8 +85,9 @@ class DevicePlanLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
-        run = _rows_forward
-        return three_pass_forward(ctx, run, logits, plan, temperature, inplace_backward, window, what)
+        return three_pass_forward(
+            ctx, _rows_forward, logits, plan, temperature, inplace_backward, window, what
+        )
 
     @staticmethod
     @without_autocast

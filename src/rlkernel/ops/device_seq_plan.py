@@ -25,8 +25,9 @@ class DeviceSeqPlanLossFunction(DevicePlanLossFunction):
 
     @staticmethod
     def forward(ctx, logits, plan, temperature, inplace_backward, window, what):
-        run = _seq_forward
-        return three_pass_forward(ctx, run, logits, plan, temperature, inplace_backward, window, what)
+        return three_pass_forward(
+            ctx, _seq_forward, logits, plan, temperature, inplace_backward, window, what
+        )
 
 
 def _seq_forward(x, plan, temperature, layout, host):
