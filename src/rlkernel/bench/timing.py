@@ -160,7 +160,8 @@ class HostTimes:
       for the GPU this is its host time (Python, checks, allocations, launches), the time before
       which the GPU cannot have received the call's last kernel.
     * ``cpu_ms``: the thread's CPU time over the same interval; ``host_ms - cpu_ms`` is time the
-      host spent blocked (a host sync inside the call, the GIL, a page fault).
+      host spent blocked (a host sync inside the call, the GIL, a page fault). The two come from
+      different clocks: for a call that never blocks ``cpu_ms`` may exceed ``host_ms`` by a few ns.
     * ``wall_ms``: from the call's start to the end of its GPU work (a sync after it).
     """
 
