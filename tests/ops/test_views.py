@@ -48,7 +48,6 @@ def test_window_of_finds_boxes_and_rejects_the_rest():
         assert window_of(base[:, 1:]) is None
 
 
-
 # Views of small bases of 2, 3 and 4 dims; at some ranks a view slices the vocabulary or does not exist.
 VIEWS = [
     lambda b: b[:, 3:-1], lambda b: b[:, :-1], lambda b: b[1:, 2:], lambda b: b[1], lambda b: b[1, 3:5],
@@ -89,6 +88,7 @@ def test_window_of_finds_exactly_the_box_views(k, lead):
     if found is not None:
         again = found[1].of(base)
         assert found[0] is base and (again.shape, again.stride(), again.storage_offset()) == key
+
 
 def _graph_has_slice(t: torch.Tensor) -> bool:
     seen, todo = set(), [t.grad_fn]
