@@ -383,7 +383,10 @@ def _attn_fwd_kernel(
         pid_m = pid0 // n_splits
         split = pid0 % n_splits
     else:
-        pid_m = pid0
+        # Last row tile first: a causal tile's work grows with its rows, so the longest start first
+        # and the short ones fill the last wave (as the dQ kernel's query blocks). Order only: each
+        # program computes the same tile, so no bit moves.
+        pid_m = tl.num_programs(0) - 1 - pid0
         split = pid0 * 0
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
