@@ -27,6 +27,11 @@ Caveats:
     * Keys before ``key_start`` get exact zeros (the gradients are allocated zeroed).
     * delta (rowsum(dO·O), fp32 [Hq, total query rows]) is computed by the dQ kernel, which runs
       first, and read by the dK/dV kernel: 4 bytes per (row, q head).
+    * Two kernels cost matmuls: 7 per (query block, key block) pair (dK/dV: S, dP, dV, dK; dQ
+      recomputes S and dP) where an atomic dQ needs 5. A deterministic one-kernel form (dQ parts
+      added in key-block order under a lock per query tile) was built and measured 2.5-6x slower
+      on an H200 (2026-11-28): its fp32 dQ traffic and lock hand-offs outweigh the two matmuls
+      (``docs/guides/invariance.md``, "What is left").
 """
 
 from __future__ import annotations
