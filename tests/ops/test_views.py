@@ -90,6 +90,33 @@ def test_window_of_finds_exactly_the_box_views(k, lead):
         assert found[0] is base and (again.shape, again.stride(), again.storage_offset()) == key
 
 
+@pytest.mark.parametrize("lead", [(2, 10), (1, 10), (2, 3, 10)])
+def test_base_and_window_memo_follows_the_metadata(lead):
+    """``_base_and_window`` memoizes the window on the view's and base's metadata: for every view
+    (asked twice, on two bases, so the second answer comes from the memo) it gives what the direct
+    computation gives, and the base of the call itself."""
+    from rlkernel.kernels.logprobs import row_layout
+    from rlkernel.ops._logprobs_function import _base_and_window
+
+    for k in range(len(VIEWS)):
+        for _ in range(2):
+            base = torch.randn(*lead, V).requires_grad_(True)
+            try:
+                view = VIEWS[k](base)
+            except (IndexError, RuntimeError):
+                break
+            direct = window_of(view)
+            if direct is not None and row_layout(view) is None:
+                direct = None
+            got = _base_and_window(view)
+            if direct is None:
+                assert got[0] is view and got[1] is None, k
+            else:
+                assert got[0] is base and got[1] == direct[1], k
+        with torch.no_grad():  # the grad mode is read on every call, not memoized
+            assert _base_and_window(VIEWS[0](base))[1] is None
+
+
 def _graph_has_slice(t: torch.Tensor) -> bool:
     seen, todo = set(), [t.grad_fn]
     while todo:

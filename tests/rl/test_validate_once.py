@@ -10,6 +10,7 @@ import torch
 
 import rlkernel as rk
 from rlkernel import _validate
+from rlkernel.rl import repeat_calls
 
 from .helpers import make_batch
 
@@ -40,7 +41,9 @@ def _inputs(packed: bool, dtype=torch.float32):
 
 @pytest.fixture
 def checks(monkeypatch):
-    """Counts, per checked object, the calls of the ``_validate`` checks that take tensors by name."""
+    """Counts, per checked object, the calls of the ``_validate`` checks that take tensors by name
+    (of full checks: no decision of an earlier test's call is kept, ``rl.repeat_calls``)."""
+    repeat_calls.forget()
     seen: list[tuple[str, str, int]] = []
     depth = [0]  # a check calling another (float_like -> float_tensor) counts once
     for fn_name in ("float_tensor", "float_like", "int_tensor", "mask_tensor", "cu_seqlens_tensor"):

@@ -39,9 +39,10 @@ from __future__ import annotations
 import torch
 
 from rlkernel._autocast import without_autocast
+from rlkernel._memo import memoized
 from rlkernel.kernels import logprobs as kernels
 from rlkernel.ops import _autograd as autograd_state
-from rlkernel.ops._views import window_of
+from rlkernel.ops._views import Window, window_of
 
 # Whether inplace_backward=True also writes in place inside torch.compile'd code (see Caveats).
 _INPLACE_UNDER_COMPILE = False
@@ -241,15 +242,27 @@ def token_logprobs_triton(
     )  # fmt: skip
 
 
+_WINDOWS: dict[tuple, Window | bool] = {}  # the views' metadata -> their window (False: none)
+
+
 def _base_and_window(logits: torch.Tensor):
     """``(base, window)`` when the eager Triton path can give the base's gradient directly (the
-    window is addressed without a copy), else ``(logits, None)``."""
-    if torch.compiler.is_compiling() or logits._base is None:
+    window is addressed without a copy), else ``(logits, None)``. The window is a function of the
+    view's and the base's metadata, memoized on them (every step asks again)."""
+    base = logits._base
+    if base is None or not base.requires_grad or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return logits, None
+    key = (logits.shape, logits.stride(), logits.storage_offset(), logits.dtype,
+           base.shape, base.stride(), base.storage_offset(), base.dtype)  # fmt: skip
+    window = memoized(_WINDOWS, key, lambda: _addressable_window(logits))
+    return (base, window) if window else (logits, None)
+
+
+def _addressable_window(logits: torch.Tensor) -> Window | bool:
     found = window_of(logits)
     if found is None or kernels.row_layout(logits) is None:
-        return logits, None
-    return found
+        return False
+    return found[1]
 
 
 # ------------------------------------------------------------------------- fused token-level loss
@@ -396,7 +409,9 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
                 "gradient-in-forward path, V <= the option grad_in_forward_max_vocab)",
                 "run it under rlkernel.use_options(grad_in_forward_max_vocab=0) (the 3-pass path)",
             )
-        scale = grad_loss.detach().reshape(1).to(device=grad.device, dtype=torch.float32)
+        scale = grad_loss  # 0-dim: the kernel reads its one element (no view, no copy: host time)
+        if scale.dtype != torch.float32 or scale.device != grad.device:
+            scale = scale.detach().to(device=grad.device, dtype=torch.float32)
         if autograd_state.graph_retained():  # another backward will read the buffer: hand out a rescaled copy
             return tl_kernels.scale_(grad.clone(), scale), None, None, None
         ctx.grad = None  # the buffer becomes the caller's gradient: a second backward must not rescale it

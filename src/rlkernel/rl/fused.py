@@ -64,18 +64,13 @@ Caveats:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 
-from rlkernel import _validate as check
 from rlkernel._autocast import without_autocast
-from rlkernel._options import current_options
-from rlkernel.ops import _dtensor_weight, id_checks
+from rlkernel.ops import id_checks
 from rlkernel.ops import routes as route_log
-from rlkernel.ops.checks import check_common, check_linear_inputs
 from rlkernel.ops.logprobs import (
-    invariant_logits_dtype,
     linear_token_logprobs,
     linear_token_logprobs_checked,
     token_logprobs_checked,
@@ -84,70 +79,15 @@ from rlkernel.ops.routes import Route
 from rlkernel.ops.token_loss import IGNORE_INDEX, LossCoefficients, TokenLossTerms
 from rlkernel.ops.token_loss import token_loss as token_loss_op
 from rlkernel.rl import seq_token_loss, token_loss
-from rlkernel.rl.batch import CallChecks, LossBatch, validate_batch
+from rlkernel.rl._fused_call import CheckedCall, checked_call
+from rlkernel.rl.batch import LossBatch
 from rlkernel.rl.config import PolicyLossConfig
 from rlkernel.rl.loss import PolicyLossOutput, loss_from_batch
-from rlkernel.rl.routes import choose_route, route_facts
 
 
 def _wants_entropy(cfg: PolicyLossConfig) -> bool:
     """Whether the loss reads the entropy: an entropy term, or the top-entropy-quantile mask."""
     return cfg.entropy_coef != 0 or cfg.top_entropy_quantile < 1
-
-
-def _cp_checks(logits, hidden, weight, bias, token_ids, temperature, tp_group, validate) -> CallChecks:
-    """A context-parallel call's source checks, made inside the cross-rank check (any rank's error
-    raised on every rank): the logits' or hidden states' checks, and the id check against V (the
-    vocab-parallel primitive checks ids against the global V itself)."""
-    error, vocab = None, None
-    try:
-        check.int_tensor("token_ids", token_ids)
-        if logits is not None:
-            check.float_tensor("logits", logits, min_dim=1)
-            check_common("logits", logits, token_ids, temperature, IGNORE_INDEX)
-            vocab = logits.shape[-1]
-        elif tp_group is None:
-            check_linear_inputs(hidden, weight, token_ids, bias, temperature, IGNORE_INDEX)
-            vocab = weight.shape[0]
-    except (TypeError, ValueError) as err:
-        error = err
-    sources = (logits,) if logits is not None else tuple(t for t in (hidden, weight, bias) if t is not None)
-    return CallChecks(
-        sources=sources, error=error, vocab=vocab if validate else None, what="fused_policy_loss"
-    )
-
-
-def _check_source(logits, hidden, weight, bias, tp_group) -> None:
-    if (logits is None) == (hidden is None):
-        raise ValueError(
-            "pass exactly one of logits or hidden (with weight), got "
-            f"{'both' if logits is not None else 'neither'}"
-        )
-    if logits is not None:
-        extra = [n for n, v in (("weight", weight), ("bias", bias), ("tp_group", tp_group)) if v is not None]
-        if extra:
-            raise ValueError(f"{', '.join(extra)} only apply with hidden, not with logits")
-    elif weight is None:
-        raise ValueError("weight (the [V, H] LM head) is required with hidden")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    """One checked call: what every route's builder reads (checked once, in the entry point)."""
-
-    cfg: PolicyLossConfig
-    batch: LossBatch
-    token_ids: torch.Tensor  # int, as given (checked)
-    vocab: int
-    logits: torch.Tensor | None
-    hidden: torch.Tensor | None
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-    temperature: float
-    tp_group: object | None
-    validate: bool
-    inplace_backward: bool
-    invariant_logits: torch.dtype | None  # ops.logprobs.invariant_logits_dtype
 
 
 @without_autocast
@@ -225,65 +165,20 @@ def fused_policy_loss(
             out of range, the DTensor cases ``linear_token_logprobs`` rejects, and everything
             ``policy_loss`` rejects.
     """
-    # Every input is checked once, here; the routes below check nothing again.
-    if not isinstance(cfg, PolicyLossConfig):
-        raise TypeError(f"cfg must be a PolicyLossConfig, got {type(cfg).__name__}")
-    check.boolean("validate", validate)
-    check.boolean("inplace_backward", inplace_backward)
-    _check_source(logits, hidden, weight, bias, tp_group)
-    if inplace_backward and logits is None:
-        raise ValueError("inplace_backward applies to the logits path only (no logits to overwrite)")
-    if logits is not None and (invariant is not False or logits_dtype is not None):
-        raise ValueError("invariant and logits_dtype apply to the hidden path only (the logits are given)")
-    if hidden is not None:
-        # FSDP2: a DTensor LM head is gathered (rlkernel.ops._dtensor_weight) after the cheap checks,
-        # before the dtype checks (fp32 shards with half hidden states are cast to hidden's dtype).
-        hidden, weight, bias = _dtensor_weight.local_lm_head(hidden, weight, bias, tp_group=tp_group)
-    inv_dtype = invariant_logits_dtype(invariant, logits_dtype, hidden, bias, tp_group)
-    cp_checks = None
-    if cp_group is None:
-        token_ids = check.int_tensor("token_ids", token_ids)
-    else:  # the source checks first, inside the cross-rank check
-        cp_checks = _cp_checks(logits, hidden, weight, bias, token_ids, temperature, tp_group, validate)
-    batch = validate_batch(
-        cfg,
-        token_ids,
-        old_logp=old_logp,
-        advantages=advantages,
-        mask=mask,
-        ref_logp=ref_logp,
-        rollout_logp=rollout_logp,
-        rollout_weights=rollout_weights,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        cu_seqlens=cu_seqlens,
-        like_name="token_ids",
-        cp_group=cp_group,
-        cp_positions=cp_positions,
-        cp_checks=cp_checks,
-    )
-    tp = tp_group is not None
-    if logits is not None:
-        check.float_tensor("logits", logits, min_dim=1)
-        check_common("logits", logits, token_ids, temperature, IGNORE_INDEX, ids_checked=True)
-        vocab = logits.shape[-1]
-        if vocab < 1:
-            raise ValueError(f"logits must have a vocabulary dimension >= 1, got {check.describe(logits)}")
-    elif not tp:  # vocab-parallel: validated across ranks by the primitive (every rank raises alike)
-        check_linear_inputs(hidden, weight, token_ids, bias, temperature, IGNORE_INDEX, ids_checked=True)
-        vocab = weight.shape[0]
-    else:
-        vocab = 0  # this rank's shard is not the vocabulary; the route does not read it
-    opts = current_options()
-    facts = route_facts(
-        batch, logits=logits, hidden=hidden, weight=weight, bias=bias, token_ids=token_ids, vocab=vocab,
-        inplace_backward=inplace_backward, vocab_parallel=tp, invariant=inv_dtype is not None,
-        options=opts,
+    call, route, compiling = checked_call(
+        cfg, token_ids=token_ids, old_logp=old_logp, advantages=advantages, mask=mask, logits=logits,
+        hidden=hidden, weight=weight, bias=bias, temperature=temperature, ref_logp=ref_logp,
+        rollout_logp=rollout_logp, rollout_weights=rollout_weights, global_tokens=global_tokens,
+        global_seqs=global_seqs, tp_group=tp_group, cu_seqlens=cu_seqlens, validate=validate,
+        inplace_backward=inplace_backward, invariant=invariant, logits_dtype=logits_dtype,
+        cp_group=cp_group, cp_positions=cp_positions,
     )  # fmt: skip
-    route = choose_route(facts, opts)
-    call = _Call(cfg, batch, token_ids, vocab, logits, hidden, weight, bias, float(temperature), tp_group,
-                 validate, inplace_backward, inv_dtype)  # fmt: skip
-    if facts.compiling:  # no recording (a thread-local side effect) in a traced frame
+    return _run(route, call, compiling=compiling)
+
+
+def _run(route: Route, call: CheckedCall, *, compiling: bool) -> PolicyLossOutput:
+    """Run ``route``'s builder on a checked call; ``out.route`` says which."""
+    if compiling:  # no recording (a thread-local side effect) in a traced frame
         out = ROUTES[route.key](route, call)
     else:
         route_log.note_route(route)
@@ -297,12 +192,12 @@ def fused_policy_loss(
 ID_WHAT = "token_ids (at active mask positions)"  # the argument the id check's error names
 
 
-def _masked(call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked(call: CheckedCall) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, active)``: the masked ids of a host-plan or composed route (one launch on Triton)."""
     return token_loss.masked_token_ids(call.token_ids, call.batch.mask)
 
 
-def _id_check(call: _Call, route: Route, active: torch.Tensor):
+def _id_check(call: CheckedCall, route: Route, active: torch.Tensor):
     """The id check around a route's launches (active positions only, none exempt: an active id
     equal to IGNORE_INDEX is an error, sent to the kernels as -1: a NaN log-prob meanwhile):
     deferred after the kernels on the Triton kernels, before them elsewhere. The vocab-parallel
@@ -316,7 +211,7 @@ def _id_check(call: _Call, route: Route, active: torch.Tensor):
     )  # fmt: skip
 
 
-def _composed(route: Route, call: _Call) -> PolicyLossOutput:
+def _composed(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """The primitive (log-probs, and entropy when the loss reads it), then ``policy_loss``'s
     algebra under autograd."""
     ids, active = _masked(call)
@@ -342,7 +237,7 @@ def _composed(route: Route, call: _Call) -> PolicyLossOutput:
     return loss_from_batch(logp, entropy, call.batch)
 
 
-def _logits_token_device(route: Route, call: _Call) -> PolicyLossOutput:
+def _logits_token_device(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """A token-level loss from logits whose constants the kernels build (mask counts + one row
     kernel; ``ops.device_plan_loss``); metrics stay lazy."""
     from rlkernel.ops.device_plan_loss import token_loss_device_plan
@@ -356,7 +251,7 @@ def _logits_token_device(route: Route, call: _Call) -> PolicyLossOutput:
     return _output(loss, logp, entropy if plan.want_entropy else None, call.batch, flat=True)
 
 
-def _logits_token_host(route: Route, call: _Call) -> PolicyLossOutput:
+def _logits_token_host(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """A token-level loss from logits with a host-built plan: 2 passes (the gradient written during
     the forward) or 3 (log-prob kernel, plan, token-loss kernel; one backward launch)."""
     from rlkernel.ops import _logprobs_function as fn
@@ -383,7 +278,7 @@ def _logits_token_host(route: Route, call: _Call) -> PolicyLossOutput:
     return _output(loss, logp, entropy if want_entropy else None, batch)
 
 
-def _logits_token_compiled(route: Route, call: _Call) -> PolicyLossOutput:
+def _logits_token_compiled(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """A token-level loss from logits inside ``torch.compile``: the plan's torch ops are traced, the
     kernels are one registered custom op (``rlkernel::token_loss_from_logits``); metrics lazy."""
     from rlkernel.ops import _logprobs_function as fn
@@ -395,7 +290,7 @@ def _logits_token_compiled(route: Route, call: _Call) -> PolicyLossOutput:
     return _output(loss, logp, entropy if plan.want_entropy else None, call.batch)
 
 
-def _logits_sequence_device(route: Route, call: _Call) -> PolicyLossOutput:
+def _logits_sequence_device(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """gspo, gspo_token, gmpo from logits with the plan built on the device (mask counts, one row
     kernel, one sequence kernel; ``ops.device_seq_plan``); metrics stay lazy."""
     from rlkernel.ops.device_seq_plan import seq_loss_device_plan
@@ -408,7 +303,7 @@ def _logits_sequence_device(route: Route, call: _Call) -> PolicyLossOutput:
     return _output(loss, logp.view(lead), entropy.view(lead) if plan.want_entropy else None, call.batch)
 
 
-def _logits_sequence(route: Route, call: _Call) -> PolicyLossOutput:
+def _logits_sequence(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """gspo, gspo_token, gmpo from logits: the two log-prob kernels with the closed-form sequence
     coefficients of :mod:`rlkernel.rl.seq_token_loss` between them (a few dozen small launches, no
     autograd); metrics stay lazy."""
@@ -428,7 +323,7 @@ def _logits_sequence(route: Route, call: _Call) -> PolicyLossOutput:
     return _output(loss, logp, entropy if want_entropy else None, batch)
 
 
-def _logits_autograd(route: Route, call: _Call) -> PolicyLossOutput:
+def _logits_autograd(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """Any objective from logits in two log-prob kernels (Fast-LLM's GSPO design, for every loss):
     the forward kernel's per-token statistics, the ``[B, T]`` algebra differentiated by autograd
     *inside the forward* (dL/dlogp, dL/dH per token: the sequence coupling of gspo, gspo_token and
@@ -464,7 +359,7 @@ def _logits_autograd(route: Route, call: _Call) -> PolicyLossOutput:
     return PolicyLossOutput(loss, compute_metrics=lambda: composed[0].metrics)
 
 
-def _hidden_token(route: Route, call: _Call) -> PolicyLossOutput:
+def _hidden_token(route: Route, call: CheckedCall) -> PolicyLossOutput:
     """The eligible-config hidden-state path: the plan's per-chunk coefficients drive the chunk
     engine, which forms dL/dlogits while each chunk's logits are live; metrics stay lazy."""
     from rlkernel.ops import _linear_rows as linear_rows  # (imports the kernels: not at module level)
