@@ -306,9 +306,10 @@ def test_harness_back_to_back_columns(loop_calls, tmp_path):
         assert row["b2b_ms"] > 0 and row["b2b_calls"] == 3
     else:
         assert row["b2b_ms"] is None and row["b2b_calls"] is None
+    assert row["host_ms"] > 0  # the host time of the isolated calls, back to back or not
     csv_path, _ = harness.write_results(suite, rows, {}, tmp_path)
-    assert "b2b_ms,b2b_calls" in csv_path.read_text().splitlines()[0]
-    assert "b2b ms" in report.format_table(rows, suite.param_columns)
+    assert "b2b_ms,b2b_calls,host_ms" in csv_path.read_text().splitlines()[0]
+    assert "b2b ms  host ms" in report.format_table(rows, suite.param_columns)
 
 
 def test_bad_loop_is_rejected(capsys):

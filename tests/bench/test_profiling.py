@@ -46,6 +46,16 @@ def test_host_times_interleaved_times_each_call():
     assert out["long"].host_ms > out["short"].host_ms + 1.5
 
 
+def test_time_interleaved_gives_each_calls_host_time():
+    """``time_interleaved(host=...)``: one host time per timed call, per implementation, in order."""
+    calls = {"short": lambda i: _sleep_ms(0.5), "long": lambda i: _sleep_ms(3.0)}
+    host: dict[str, list[float]] = {}
+    out = timing.time_interleaved(calls, CPU, rounds=2, reps=2, host=host)
+    assert set(host) == {"short", "long"} and all(len(v) == 4 for v in host.values())
+    assert min(host["long"]) > max(host["short"]) + 1.5
+    assert host == out  # on the CPU the host time is the call's time
+
+
 def test_host_loop_us_is_per_call():
     us = timing.host_loop_us(lambda: _sleep_ms(0.5), CPU, calls=4, loops=2, warmup=1)
     assert 500 <= us < 5000

@@ -186,9 +186,11 @@ def _time_all(timed: dict[str, Call], results: dict[str, Measurement], opts: Opt
     """The isolated, interleaved timing of every implementation, then (``workload.back_to_back``)
     the back-to-back loops of those that are still fine."""
     _, rounds, reps = workload.capped(opts)
-    kw = {"rounds": rounds, "reps": reps, "copies": copies, "queue_ahead": workload.queue_ahead}
+    host: dict[str, list[float]] = {}
+    kw = {"rounds": rounds, "reps": reps, "copies": copies, "queue_ahead": workload.queue_ahead, "host": host}
     for impl, xs in _time_each(time_interleaved, timed, results, opts.device, "interleaved", **kw).items():
         results[impl].samples = xs
+        results[impl].host_samples = host.get(impl, [])
     if not (workload.back_to_back and opts.loop_calls > 0):
         return
     timed = {i: c for i, c in timed.items() if results[i].status == "ok"}

@@ -134,8 +134,10 @@ def _cell(row: dict | None) -> str:
     ms, gb = _num(row.get("median_ms")), _num(row.get("peak_extra_gb"))
     if ms is None:
         return "—"
-    b2b = _num(row.get("b2b_ms"))
+    b2b, host = _num(row.get("b2b_ms")), _num(row.get("host_ms"))
     text = f"{_ms(ms)} / {_ms(b2b)} ms" if b2b is not None else f"{_ms(ms)} ms"
+    if host is not None:  # (a CSV of a run before the column has none: its cells stay as they were)
+        text += f" (host {_ms(host)})"
     if gb is None or row.get("impl") == "ceiling":
         return text
     return text + (f", {gb:.1f} GB" if gb >= 10 else f", {gb:.2f} GB")
@@ -155,9 +157,10 @@ def suite_table(rows: Sequence[dict]) -> str:
     trl = f", trl {first.get('trl') or '—'}" if "trl" in first else ""
     loops = sorted({str(r.get("b2b_calls")) for r in rows if _num(r.get("b2b_ms")) is not None})
     if loops:
+        host = " (host: an isolated call's host ms)" if any(_num(r.get("host_ms")) for r in rows) else ""
         cells_doc = (
             f"Cells: median ms of an isolated call / per call back to back ({', '.join(loops)} calls, "
-            "one sync), peak extra memory."
+            f"one sync){host}, peak extra memory."
         )
     else:
         cells_doc = "Cells: median ms, peak extra memory."
@@ -193,8 +196,8 @@ def _fmt(v: Any, spec: str, suffix: str = "") -> str:
 
 def format_table(rows: list[dict], param_columns: Sequence[str], baseline: str = "torch") -> str:
     """The compact table printed at the end of a run (one line per row, a blank line per workload)."""
-    head = ["workload", *param_columns, "impl", "ms", "b2b ms", "peak GB", "TB/s", "%copy", f"vs {baseline}",
-            "status"]  # fmt: skip
+    head = ["workload", *param_columns, "impl", "ms", "b2b ms", "host ms", "peak GB", "TB/s", "%copy",
+            f"vs {baseline}", "status"]  # fmt: skip
     body = []
     for r in rows:
         body.append(
@@ -204,6 +207,7 @@ def format_table(rows: list[dict], param_columns: Sequence[str], baseline: str =
                 str(r["impl"]),
                 _fmt(r.get("median_ms"), ".3f"),
                 _fmt(r.get("b2b_ms"), ".3f"),
+                _fmt(r.get("host_ms"), ".3f"),
                 _fmt(r.get("peak_extra_gb"), ".2f"),
                 _fmt(r.get("tbps"), ".2f"),
                 _fmt(None if r.get("frac_copy_bw") is None else 100 * r["frac_copy_bw"], ".0f", "%"),

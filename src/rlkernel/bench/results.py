@@ -21,14 +21,15 @@ from rlkernel.bench.timing import (  # noqa: F401 - re-exported: suites, tests a
 
 COMMON_HEAD = ("suite", "workload", "pass")
 # median/p20/p80 over the isolated calls; the per-call time back to back (median over the loops) and
-# the calls per loop; peak memory above the inputs; achieved rates and fractions of the ceilings of
+# the calls per loop; the host time of an isolated call (median, its start to its return on the host);
+# peak memory above the inputs; achieved rates and fractions of the ceilings of
 # this run; speedup over the suite's baseline (plain torch, isolated calls); the cross-check against
 # the reference implementation; then the environment.
 COMMON_TAIL = tuple(
-    """impl status median_ms p20_ms p80_ms samples b2b_ms b2b_calls first_call_s peak_extra_gb bytes_gb
-    tbps tflops frac_copy_bw frac_gemm speedup_vs_baseline max_abs_diff grad_rel_diff ceiling_copy_tbps
-    ceiling_gemm_tflops device gpu torch cuda triton liger trl rlkernel python date_utc commit
-    notes""".split()
+    """impl status median_ms p20_ms p80_ms samples b2b_ms b2b_calls host_ms first_call_s peak_extra_gb
+    bytes_gb tbps tflops frac_copy_bw frac_gemm speedup_vs_baseline max_abs_diff grad_rel_diff
+    ceiling_copy_tbps ceiling_gemm_tflops device gpu torch cuda triton liger trl rlkernel python
+    date_utc commit notes""".split()
 )
 
 
@@ -63,6 +64,7 @@ def make_rows(
                 "samples": len(m.samples) or None,
                 "b2b_ms": statistics.median(m.b2b_samples) if m.b2b_samples else None,
                 "b2b_calls": m.b2b_calls if m.b2b_samples else None,
+                "host_ms": statistics.median(m.host_samples) if m.host_samples else None,
                 "first_call_s": m.first_call_s,
                 "peak_extra_gb": m.peak_bytes / 1e9 if m.peak_bytes is not None else None,
                 "bytes_gb": gb,

@@ -175,6 +175,7 @@ class Measurement:
     samples: list[float] = field(default_factory=list)
     b2b_samples: list[float] = field(default_factory=list)  # per-call ms of each back-to-back loop
     b2b_calls: int | None = None
+    host_samples: list[float] = field(default_factory=list)  # host ms of each isolated call
     first_call_s: float | None = None
     peak_bytes: float | None = None
     max_abs_diff: float | None = None

@@ -73,15 +73,21 @@ def time_interleaved(
     reps: int,
     copies: int = 1,
     queue_ahead: bool = False,
+    host: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Per-call times in ms, the implementations interleaved round-robin in a rotated order.
 
     On CUDA every call is isolated: the device is synchronized before its start event, so the GPU
     is idle when the call is issued and the event pair spans the host time until its first kernel,
     its kernels, and the launch gaps it causes (what one eager call costs). ``queue_ahead``: see
-    :class:`~rlkernel.bench.suite.Workload` (GPU time only)."""
+    :class:`~rlkernel.bench.suite.Workload` (GPU time only). ``host``: a dict that receives, per
+    implementation, each call's host time in ms (from its start to its return on the host: the
+    Python, checks, allocations and launches of a call that does not wait for the GPU)."""
     names = list(calls)
     samples: dict[str, list[float]] = {n: [] for n in names}
+    host_ms: dict[str, list[float]] = host if host is not None else {}
+    for n in names:
+        host_ms.setdefault(n, [])
     i = 0
     for r in range(rounds):
         shift = r % max(len(names), 1)
@@ -98,8 +104,11 @@ def time_interleaved(
                     else:
                         torch.cuda.synchronize(device)  # isolated: nothing of the previous call queued
                     start.record()
+                    t0 = time.perf_counter()
                     fn(i % copies)
+                    t1 = time.perf_counter()
                     end.record()
+                    host_ms[name].append((t1 - t0) * 1e3)
                     i += 1
                 torch.cuda.synchronize(device)
                 samples[name] += [start.elapsed_time(end) for start, end in events]
@@ -108,6 +117,7 @@ def time_interleaved(
                     t0 = time.perf_counter()
                     fn(i % copies)
                     samples[name].append((time.perf_counter() - t0) * 1e3)
+                    host_ms[name].append(samples[name][-1])
                     i += 1
     return samples
 
