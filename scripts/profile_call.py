@@ -72,8 +72,9 @@ HIDDEN, HIDDEN_VOCAB = 4096, 151936
 SMOKE_TOKENS, SMOKE_VOCAB, SMOKE_HIDDEN = 64, 100, 32
 # The stages of a call whose host entry / exit --marks records (module:function or module:Class.method).
 MARKS = (
-    "rlkernel.rl.fused:validate_batch",
-    "rlkernel.rl.fused:route_facts",
+    "rlkernel.rl.fused:checked_call",  # the checks, or a repeat call's kept decision (rl.repeat_calls)
+    "rlkernel.rl._fused_call:validate_batch",  # (a call checked in full: the first of its signature)
+    "rlkernel.rl._fused_call:route_facts",
     "rlkernel.rl.token_loss:device_plan_from_batch",
     "rlkernel.ops.device_plan_loss:device_plan_forward",
     "rlkernel.rl.seq_token_loss:device_seq_plan",

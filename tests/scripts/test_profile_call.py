@@ -33,9 +33,10 @@ def test_every_case_and_section(load_script, capsys):
     assert out.count("\n=== A ") == len(CASES)
     assert "accounting: isolated" in out  # hidden cases: next to the GEMM floor
     assert "(totals over 2 calls)" in out  # cProfile
-    # --marks: the loss calls pass the batch check, each mark with its host entry <= exit
+    # --marks: the loss calls pass the entry's checks (repeat calls: their kept decision), each mark
+    # with its host entry <= exit
     marks = re.findall(r"^ +([\d.]+) +([\d.]+) +- +(.+)$", out, re.MULTILINE)
-    assert {"rlkernel.rl.fused:validate_batch", "(call end)"} <= {m[2] for m in marks}
+    assert {"rlkernel.rl.fused:checked_call", "(call end)"} <= {m[2] for m in marks}
     assert all(float(enter) <= float(leave) for enter, leave, _ in marks)
 
 
