@@ -149,14 +149,15 @@ def signature(cfg: object, opts: object, args: dict) -> tuple | None:
     rollout, weights = args["rollout_logp"], args["rollout_weights"]
     temperature, validate, inplace = args["temperature"], args["validate"], args["inplace_backward"]
     if (
-        type(logits) is not _Tensor or type(ids) is not _Tensor or type(adv) is not _Tensor
+        torch.compiler.is_compiling()
+        or type(logits) is not _Tensor or type(ids) is not _Tensor or type(adv) is not _Tensor
         or type(mask) is not _Tensor or type(cfg) is not PolicyLossConfig
         or not (_plain(old) and _plain(ref) and _plain(rollout) and _plain(weights))
         or type(temperature) not in _NUMBERS or type(validate) is not bool or type(inplace) is not bool
         or args["invariant"] is not False or args["logits_dtype"] is not None
         or args["hidden"] is not None or args["weight"] is not None or args["bias"] is not None
         or args["tp_group"] is not None or args["cp_group"] is not None or args["cp_positions"] is not None
-        or args["cu_seqlens"] is not None or torch.compiler.is_compiling()
+        or args["cu_seqlens"] is not None
     ):  # fmt: skip
         return None
     base = logits._base
