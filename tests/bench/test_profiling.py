@@ -52,7 +52,8 @@ def test_time_interleaved_gives_each_calls_host_time():
     host: dict[str, list[float]] = {}
     out = timing.time_interleaved(calls, CPU, rounds=2, reps=2, host=host)
     assert set(host) == {"short", "long"} and all(len(v) == 4 for v in host.values())
-    assert min(host["long"]) > max(host["short"]) + 1.5
+    # lower bounds only (a call can take longer on a loaded machine, never less than its wait)
+    assert min(host["long"]) >= 3.0 and min(host["short"]) >= 0.5
     assert host == out  # on the CPU the host time is the call's time
 
 
