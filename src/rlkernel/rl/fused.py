@@ -7,8 +7,10 @@ It is a composition of the log-prob primitives (:mod:`rlkernel.ops.logprobs`) an
 algebra (:mod:`rlkernel.rl.loss`): the memory-lean part — never holding fp32 ``[N, V]`` copies, or the
 logits at all on the hidden-state path — is the primitives' job.
 
-Which code runs is the call's route (:mod:`rlkernel.rl.routes`: one pure choice; ``ROUTES`` below
-maps each route to its builder; ``out.route`` says which ran; docs/api/routes.md):
+Every input is checked once, in :mod:`rlkernel.rl._fused_call` (a repeat of an earlier plain logits
+call takes that call's decision instead: :mod:`rlkernel.rl.repeat_calls`). Which code runs is the
+call's route (:mod:`rlkernel.rl.routes`: one pure choice; ``ROUTES`` below maps each route to its
+builder; ``out.route`` says which ran; docs/api/routes.md):
 
 * Token-level objectives from logits on the Triton backend (``rlkernel.rl.token_loss.is_eligible``:
   ppo, cispo, sapo, reinforce with any aggregation, KL, entropy and rollout correction): the
