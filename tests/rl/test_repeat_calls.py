@@ -5,6 +5,7 @@ every property a check reads is in the signature (a call that differs in one is 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -149,9 +150,9 @@ CHANGES = {
     "temperature type": lambda a: dict(temperature=1),
     "validate": lambda a: dict(validate=False),
     "inplace_backward": lambda a: dict(inplace_backward=True),
-    "global_tokens": lambda a: dict(global_tokens=9.0),
-    "global_tokens type": lambda a: dict(global_tokens=torch.tensor(9.0)),
-    "global_seqs": lambda a: dict(global_seqs=3),
+    "global_tokens given": lambda a: dict(global_tokens=9.0),
+    "global_tokens a tensor": lambda a: dict(global_tokens=torch.tensor(9.0)),
+    "global_seqs given": lambda a: dict(global_seqs=3),
 }
 
 
@@ -235,6 +236,25 @@ def test_bad_input_after_a_kept_call_still_raises(full_checks, change, error, ma
         rk.fused_policy_loss(CFG, **_args())
         with pytest.raises(error, match=match):
             rk.fused_policy_loss(CFG, **_args(**change))
+
+
+def test_a_number_normalizer_is_checked_on_every_call(full_checks):
+    """A number ``global_tokens`` / ``global_seqs`` is in the signature by its type only (gradient
+    accumulation passes a new count each step): a repeat with another count gives the full checks'
+    bits, and a bad count raises what the full checks raise."""
+    cfg = rk.PolicyLossConfig.preset("grpo", kl_coef=0.05)  # seq-mean-token-mean: global_seqs too
+    with rk.use_backend("reference"):
+        rk.fused_policy_loss(cfg, **_args(global_tokens=7, global_seqs=2.0))  # kept
+        fresh = _args(seed=3, global_tokens=11, global_seqs=3.0)
+        out, grad = _loss_and_grad(cfg, fresh)
+        assert len(full_checks) == 1  # a repeat
+        for name, value in (("global_tokens", -1), ("global_seqs", math.inf)):
+            with pytest.raises(ValueError, match=name):
+                rk.fused_policy_loss(cfg, **_args(**{"global_tokens": 7, "global_seqs": 2.0, name: value}))
+        assert len(full_checks) == 1
+        repeat_calls.forget()
+        ref_out, ref_grad = _loss_and_grad(cfg, fresh)
+    assert torch.equal(out.loss, ref_out.loss) and torch.equal(grad, ref_grad)
 
 
 def test_an_out_of_range_id_in_a_repeat_call_still_raises(full_checks):

@@ -17,8 +17,9 @@ The signature holds everything the checks and the route read:
   absent);
   the logits' storage offset and, when they are a view, their base's metadata and storage offset
   (the window the kernels address, ``ops._views``);
-* the config (by value), ``temperature``, ``validate``, ``inplace_backward`` and number
-  normalizers by type and value;
+* the config (by value), ``temperature``, ``validate`` and ``inplace_backward`` by type and value,
+  the normalizers ``global_tokens`` / ``global_seqs`` by type (a number's value is checked on every
+  call: gradient accumulation passes a new count each step);
 * the options (``current_options()``), the backend the dispatcher was asked for and whether the
   CPU interpreter runs, and the grad mode.
 
@@ -35,6 +36,7 @@ import dataclasses
 
 import torch
 
+from rlkernel import _validate as check
 from rlkernel._dispatch import interpreter_enabled, requested_backend
 from rlkernel._memo import MAX_ENTRIES
 from rlkernel.ops.routes import Route
@@ -55,32 +57,28 @@ class Decided:
         vocab: V, the logits' last dim.
         segments: the batch's (padded) segments.
         advantages_per_seq: the advantages' layout (:func:`rlkernel.rl.batch.advantages_layout`).
-        global_tokens, global_seqs: a number normalizer as checked (a float), else None (absent,
-            or a tensor: each call's own is used).
     """
 
     route: Route
     vocab: int
     segments: Segments
     advantages_per_seq: bool
-    global_tokens: float | None
-    global_seqs: float | None
 
     def batch(self, cfg: PolicyLossConfig, args: dict) -> LossBatch:
         """The :class:`LossBatch` ``validate_batch`` returns for this call (``args``: the call's
         keyword arguments; padded, no context parallelism: the tensors as given)."""
-        g_tokens, g_seqs = self.global_tokens, self.global_seqs
+        device = args["token_ids"].device
         return LossBatch(
             cfg=cfg,
             segments=self.segments,
-            device=args["token_ids"].device,
+            device=device,
             old_logp=args["old_logp"],
             advantages=args["advantages"],
             mask=args["mask"],
             ref_logp=args["ref_logp"],
             rollout_logp=args["rollout_logp"],
-            global_tokens=args["global_tokens"] if g_tokens is None else g_tokens,
-            global_seqs=args["global_seqs"] if g_seqs is None else g_seqs,
+            global_tokens=_normalizer("global_tokens", args["global_tokens"], device),
+            global_seqs=_normalizer("global_seqs", args["global_seqs"], device),
             cu_seqlens=None,
             rollout_weights=args["rollout_weights"],
             advantages_per_seq=self.advantages_per_seq,
@@ -107,14 +105,15 @@ def remember(sig: tuple | None, route: Route, vocab: int, batch: LossBatch) -> N
         return
     if len(_DECIDED) >= MAX_ENTRIES:
         _DECIDED.clear()
-    _DECIDED[sig] = Decided(
-        route, vocab, batch.segments, batch.advantages_per_seq, _number(batch.global_tokens),
-        _number(batch.global_seqs),
-    )  # fmt: skip
+    _DECIDED[sig] = Decided(route, vocab, batch.segments, batch.advantages_per_seq)
 
 
-def _number(value: object) -> float | None:
-    return None if value is None or isinstance(value, torch.Tensor) else value
+def _normalizer(name: str, value: object, device: torch.device) -> object:
+    """A call's normalizer as ``validate_batch`` keeps it: None or a tensor as given (its metadata
+    is in the signature), a number checked now (``rlkernel._validate.normalizer``: its value is not)."""
+    if value is None or type(value) is _Tensor:
+        return value
+    return check.normalizer(name, value, device)
 
 
 def _meta(t: torch.Tensor | None) -> tuple | None:
@@ -135,7 +134,7 @@ def _scalar(value: object) -> tuple | None:
     if type(value) is _Tensor:
         return _meta(value)
     if type(value) in _NUMBERS:
-        return type(value), value
+        return type(value)  # (the value is checked on every call: Decided.batch)
     raise TypeError  # (not kept: the full checks name the problem)
 
 
