@@ -21,7 +21,14 @@ def memoized(cache: dict, key: Hashable, make: Callable[[], _T]) -> _T:
         return make()
     found = cache.get(key)
     if found is None:
-        if len(cache) >= MAX_ENTRIES:
-            cache.clear()
-        found = cache[key] = make()
+        found = store(cache, key, make())
     return found
+
+
+def store(cache: dict, key: Hashable, value: _T, bound: int = MAX_ENTRIES) -> _T:
+    """``cache[key] = value``, the cache started over first when it holds ``bound`` entries;
+    returns ``value``."""
+    if len(cache) >= bound:
+        cache.clear()
+    cache[key] = value
+    return value

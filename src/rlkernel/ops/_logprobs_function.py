@@ -242,6 +242,15 @@ def token_logprobs_triton(
     )  # fmt: skip
 
 
+def upstream_scale(grad_loss: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fused loss's 0-dim upstream gradient as the fp32 one-element tensor on ``device`` that the
+    backward kernels read (``tl.load(scale_ptr)``): the tensor itself when it already is one (no
+    view, no copy: host time), else one detached cast."""
+    if grad_loss.dtype == torch.float32 and grad_loss.device == device:
+        return grad_loss
+    return grad_loss.detach().to(device=device, dtype=torch.float32)
+
+
 _WINDOWS: dict[tuple, Window | bool] = {}  # the views' metadata -> their window (False: none)
 
 
@@ -319,7 +328,7 @@ class TokenLossFunction(torch.autograd.Function):
         if ctx.overwritten:
             raise autograd_state.second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         x, ids, lse, g_logp, entropy, g_entropy = ctx.saved_tensors
-        scale = grad_loss.detach().reshape(1).to(device=x.device, dtype=torch.float32)
+        scale = upstream_scale(grad_loss, x.device)
         if ctx.window is not None:
             return (
                 _window_backward(ctx, x, ids, lse, entropy, g_logp, g_entropy, scale),
@@ -409,9 +418,7 @@ class TokenLossGradInForwardFunction(torch.autograd.Function):
                 "gradient-in-forward path, V <= the option grad_in_forward_max_vocab)",
                 "run it under rlkernel.use_options(grad_in_forward_max_vocab=0) (the 3-pass path)",
             )
-        scale = grad_loss  # 0-dim: the kernel reads its one element (no view, no copy: host time)
-        if scale.dtype != torch.float32 or scale.device != grad.device:
-            scale = scale.detach().to(device=grad.device, dtype=torch.float32)
+        scale = upstream_scale(grad_loss, grad.device)
         if autograd_state.graph_retained():  # another backward will read the buffer: hand out a rescaled copy
             return tl_kernels.scale_(grad.clone(), scale), None, None, None
         ctx.grad = None  # the buffer becomes the caller's gradient: a second backward must not rescale it

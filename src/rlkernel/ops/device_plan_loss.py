@@ -30,6 +30,7 @@ from rlkernel.ops._logprobs_function import (
     TokenLossFunction,
     TokenLossGradInForwardFunction,
     _base_and_window,
+    upstream_scale,
 )
 
 
@@ -98,9 +99,7 @@ class DevicePlanLossFunction(torch.autograd.Function):
         if ctx.overwritten:
             raise autograd_state.second_backward_error(_INPLACE_WHAT, _INPLACE_AVOID)
         base, ids, lse, g_logp, entropy, g_entropy = ctx.saved_tensors
-        scale = grad_loss
-        if scale.dtype != torch.float32 or scale.device != base.device:
-            scale = scale.detach().to(device=base.device, dtype=torch.float32)
+        scale = upstream_scale(grad_loss, base.device)
         # A retained graph will run this backward again: the logits must stay intact until the last.
         inplace = ctx.inplace_backward and not autograd_state.graph_retained()
         grad = base if inplace else torch.empty(base.shape, dtype=base.dtype, device=base.device)

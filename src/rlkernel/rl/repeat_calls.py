@@ -38,7 +38,7 @@ import torch
 
 from rlkernel import _validate as check
 from rlkernel._dispatch import interpreter_enabled, requested_backend
-from rlkernel._memo import MAX_ENTRIES
+from rlkernel._memo import MAX_ENTRIES, store
 from rlkernel.ops.routes import Route
 from rlkernel.rl.aggregate import Segments
 from rlkernel.rl.batch import LossBatch
@@ -100,12 +100,9 @@ def forget() -> None:
 
 def remember(sig: tuple | None, route: Route, vocab: int, batch: LossBatch) -> None:
     """Keep what the full checks of a call with signature ``sig`` decided (nothing when ``sig`` is
-    None, or for a batch the rebuild does not cover)."""
-    if sig is None or batch.cu_seqlens is not None or batch.cp is not None:
-        return
-    if len(_DECIDED) >= MAX_ENTRIES:
-        _DECIDED.clear()
-    _DECIDED[sig] = Decided(route, vocab, batch.segments, batch.advantages_per_seq)
+    None: a call :func:`signature` does not cover, e.g. packed or context-parallel)."""
+    if sig is not None:
+        store(_DECIDED, sig, Decided(route, vocab, batch.segments, batch.advantages_per_seq), MAX_ENTRIES)
 
 
 def _normalizer(name: str, value: object, device: torch.device) -> object:
